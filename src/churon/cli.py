@@ -1,0 +1,284 @@
+"""The `churon` command: pull, list, run, chat, inspect."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from collections import Counter
+from pathlib import Path
+
+from churon.errors import ChuronError
+from churon.registry import DEFAULT_MODEL, REGISTRY, cached_models, pull_model, registry_entry
+
+KV_DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2}
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=512, help="most tokens to generate (default 512)")
+    p.add_argument("--temperature", type=float, default=0.7, help="0 is greedy (default 0.7)")
+    p.add_argument("--top-k", type=int, default=40, help="0 disables (default 40)")
+    p.add_argument("--top-p", type=float, default=0.95, help="(default 0.95)")
+    p.add_argument("--min-p", type=float, default=0.05, help="(default 0.05)")
+    p.add_argument("--repeat-penalty", type=float, default=1.0, help="1 disables (default 1.0)")
+    p.add_argument("--seed", type=int, default=None, help="same seed and prompt give the same text")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable); not printed")
+    p.add_argument("--system", default=None, help="system message for chat-templated models")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: physical cores)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and activations")
+
+
+def _sampling_params(args):
+    from churon.sampling import SamplingParams
+
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        repetition_penalty=args.repeat_penalty,
+        seed=args.seed,
+        stop=args.stop,
+    )
+
+
+def _load(args):
+    from churon.llm import LLM
+
+    return LLM(args.model or DEFAULT_MODEL, dtype=args.dtype, threads=args.threads)
+
+
+def _is_model(text: str) -> bool:
+    return registry_entry(text) is not None or Path(text).expanduser().exists()
+
+
+def cmd_run(args) -> int:
+    params = _sampling_params(args)  # validate before the (slow) model load
+    positional = list(args.args)
+    if len(positional) > 2:
+        raise ChuronError("usage: churon run [MODEL] [PROMPT] (quote the prompt)")
+    if len(positional) == 2:
+        args.model, prompt = positional
+    elif len(positional) == 1 and not (_is_model(positional[0]) and not sys.stdin.isatty()):
+        args.model, prompt = None, positional[0]
+    else:
+        args.model = positional[0] if positional else None
+        prompt = None if sys.stdin.isatty() else sys.stdin.read()
+    if not prompt:
+        raise ChuronError("no prompt: give one as an argument or on stdin")
+    llm = _load(args)
+    if args.raw or not llm.tokenizer.chat_template:
+        ids = llm.tokenizer.encode(prompt)
+    else:
+        messages = ([{"role": "system", "content": args.system}] if args.system else []) + [{"role": "user", "content": prompt}]
+        ids = llm.chat_prompt_ids(messages)
+    delta = None
+    for delta in llm.stream_deltas(ids, params):
+        sys.stdout.write(delta.text)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    if args.verbose and delta is not None:
+        _print_metrics(delta.output)
+    return 0
+
+
+def _print_metrics(out) -> None:
+    m = out.metrics
+    print(
+        f"prompt: {m.prompt_tokens} tokens, {m.prefill_tokens_per_second:.1f} tokens/s | "
+        f"generated: {m.generated_tokens} tokens, {m.decode_tokens_per_second:.1f} tokens/s | "
+        f"time to first token: {m.prefill_seconds * 1000:.0f} ms | finish: {out.finish_reason}",
+        file=sys.stderr,
+    )
+
+
+def cmd_chat(args) -> int:
+    llm = _load(args)
+    params = _sampling_params(args)
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    history: list[dict[str, str]] = []
+    print("churon chat: /reset clears the history, /exit (or Ctrl-D) quits, Ctrl-C stops an answer.", file=sys.stderr)
+    while True:
+        try:
+            line = input(">>> ")
+        except (EOFError, KeyboardInterrupt):
+            print()
+            return 0
+        command = line.strip()
+        if command in ("/exit", "/quit", "/bye"):
+            return 0
+        if command == "/reset":
+            history.clear()
+            print("(history cleared)", file=sys.stderr)
+            continue
+        if not command:
+            continue
+        history.append({"role": "user", "content": line})
+        answer = ""
+        try:
+            for delta in llm.stream_deltas(llm.chat_prompt_ids(system + history), params):
+                sys.stdout.write(delta.text)
+                sys.stdout.flush()
+                answer += delta.text
+        except KeyboardInterrupt:
+            print("\n(stopped)", file=sys.stderr)
+        except ChuronError as e:  # e.g. the conversation outgrew the context: say so, keep the session
+            history.pop()
+            print(f"\nchuron: {e}", file=sys.stderr)
+            continue
+        print()
+        history.append({"role": "assistant", "content": answer})
+
+
+def cmd_pull(args) -> int:
+    path = pull_model(args.model)
+    print(path)
+    return 0
+
+
+def cmd_list(args) -> int:
+    from churon.loader import open_model
+
+    rows = []
+    for path in cached_models():
+        try:
+            m = open_model(path, pull=False)
+            rows.append((path.name, _size(path), m.config.architecture, _quant_type(m)))
+        except ChuronError as e:
+            rows.append((path.name, _size(path), "?", f"unreadable: {e}"))
+    if not rows:
+        print(f"no cached models (known registry models: {', '.join(sorted(REGISTRY))}; `churon pull NAME`)")
+        return 0
+    _table(["model", "size", "architecture", "type"], rows)
+    return 0
+
+
+def _size(path: Path) -> str:
+    total = path.stat().st_size if path.is_file() else sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+    return _bytes(total)
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+
+
+def _quant_type(m) -> str:
+    """The type holding most of the weight bytes (a file's 'Q4_1' even if norms are F32)."""
+    by_type = Counter()
+    for t in m.tensors:
+        by_type[t.dtype] += t.n_bytes
+    return by_type.most_common(1)[0][0] if by_type else "?"
+
+
+def _table(header: list[str], rows: list[tuple]) -> None:
+    cells = [header] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    for i, r in enumerate(cells):
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+        if i == 0:
+            print("  ".join("-" * w for w in widths))
+
+
+def cmd_inspect(args) -> int:
+    from churon.loader import open_model
+
+    m = open_model(args.model, pull=True)
+    c = m.config
+    tensors = m.tensors
+    params = sum(math.prod(t.shape) for t in tensors if not t.name.startswith("rope_freqs"))
+    weight_bytes = sum(t.n_bytes for t in tensors)
+    rope = f"theta {c.rope_theta:g}" + (f", scaling {c.rope_scaling}" if c.rope_scaling else "")
+    fields = [
+        ("file", str(m.path)),
+        ("format", m.format),
+        ("architecture", c.architecture),
+        ("layers", c.num_layers),
+        ("hidden size", c.hidden_size),
+        ("intermediate size", c.intermediate_size),
+        ("attention heads", c.num_heads),
+        ("KV heads", c.num_kv_heads),
+        ("head dim", c.head_dim),
+        ("vocabulary", c.vocab_size),
+        ("context length", c.context_length),
+        ("RoPE", rope),
+        ("QKV bias", c.attention_bias),
+        ("QK norm", c.qk_norm),
+        ("tied embeddings", c.tie_word_embeddings),
+        ("parameters", f"{params:,} ({params / 1e6:.1f} M)"),
+    ]
+    width = max(len(k) for k, _ in fields)
+    for k, v in fields:
+        print(f"{k:<{width}}  {v}")
+    print("\nbytes by tensor type:")
+    by_type = Counter()
+    count = Counter()
+    for t in tensors:
+        by_type[t.dtype] += t.n_bytes
+        count[t.dtype] += 1
+    _table(["type", "tensors", "bytes"], [(k, count[k], _bytes(v)) for k, v in by_type.most_common()])
+
+    elem = KV_DTYPE_BYTES[args.kv_dtype]
+    per_token = c.kv_bytes_per_token(elem)
+    print(f"\nmemory (KV cache in {args.kv_dtype}):")
+    print(f"weights                {_bytes(weight_bytes)} in the file")
+    print(
+        f"KV cache per token     {per_token:,} bytes "
+        f"(2 x {c.num_layers} layers x {c.num_kv_heads} KV heads x {c.head_dim} head dim x {elem} bytes)"
+    )
+    contexts = [2048, 8192, 32768]
+    rows = [(f"{ctx // 1024}k" + ("" if ctx <= c.context_length else " (> model context)"),) + tuple(_bytes(per_token * ctx * s) for s in (1, 8, 32)) for ctx in contexts]
+    _table(["context", "1 sequence", "8 sequences", "32 sequences"], rows)
+    if args.tensors:
+        print()
+        _table(["tensor", "shape", "type", "bytes"], [(t.name, "x".join(map(str, t.shape)), t.dtype, t.n_bytes) for t in tensors])
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="churon", description="Run open-weight language models locally.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("run", help="generate an answer to one prompt, streamed to stdout")
+    p.add_argument("args", nargs="*", metavar="[MODEL] PROMPT", help=f"model (default {DEFAULT_MODEL}) and prompt (or stdin)")
+    p.add_argument("--raw", action="store_true", help="plain completion, no chat template")
+    p.add_argument("--verbose", "-v", action="store_true", help="print prompt and decode tokens/s, time to first token")
+    _add_sampling_args(p)
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("chat", help="interactive multi-turn chat")
+    p.add_argument("model", nargs="?", default=None)
+    _add_sampling_args(p)
+    p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("pull", help="download a registry model into the cache")
+    p.add_argument("model", nargs="?", default=DEFAULT_MODEL)
+    p.set_defaults(func=cmd_pull)
+
+    p = sub.add_parser("list", help="cached models")
+    p.set_defaults(func=cmd_list)
+
+    p = sub.add_parser("inspect", help="what a model file holds, and the memory it needs")
+    p.add_argument("model", nargs="?", default=DEFAULT_MODEL)
+    p.add_argument("--tensors", action="store_true", help="list every tensor")
+    p.add_argument("--kv-dtype", default="f32", choices=sorted(KV_DTYPE_BYTES), help="KV cache element type (default f32)")
+    p.set_defaults(func=cmd_inspect)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ChuronError, ValueError) as e:
+        print(f"churon: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,17 @@
+"""Errors churon raises for bad input. Each message names the file, tensor, field or value."""
+
+
+class ChuronError(Exception):
+    """Base class of every error churon raises on purpose."""
+
+
+class ModelFileError(ChuronError):
+    """A model file or directory is missing, malformed, truncated or inconsistent."""
+
+
+class UnsupportedModelError(ChuronError):
+    """The model uses an architecture or tensor type churon does not implement."""
+
+
+class ContextLengthError(ChuronError, ValueError):
+    """A prompt (plus the tokens to generate) does not fit the context window."""

@@ -1,0 +1,69 @@
+"""LLM: the Python front door. Load a model once, then generate, chat or stream."""
+
+from __future__ import annotations
+
+import os
+from typing import Iterator, Sequence
+
+import torch
+from tqdm import tqdm
+
+from churon.config import default_threads
+from churon.engine import CompletionOutput, Delta, LLMEngine
+from churon.loader import load_model
+from churon.registry import DEFAULT_MODEL
+from churon.sampling import SamplingParams
+
+Prompt = str | Sequence[int]
+Message = dict[str, str]
+
+
+class LLM:
+    """llm = LLM("smollm2-135m"); llm.generate(["Hello"], SamplingParams(temperature=0))
+
+    model: a registry name (pulled on first use), a .gguf file or a Hugging Face directory.
+    dtype: "float32" (exact reference arithmetic) or "bfloat16" (half the weight memory).
+    threads: torch intra-op threads; default the number of physical cores.
+    """
+
+    def __init__(self, model: str | os.PathLike = DEFAULT_MODEL, *, dtype: str = "float32", threads: int | None = None):
+        if threads is not None and (not isinstance(threads, int) or threads < 1):
+            raise ValueError(f"threads={threads!r}: must be an integer >= 1")
+        self.threads = threads or default_threads()
+        torch.set_num_threads(self.threads)
+        self.model, self.tokenizer, self.source = load_model(model, dtype=dtype)
+        self.config = self.model.config
+        self.engine = LLMEngine(self.model, self.tokenizer)
+
+    def _prompt_ids(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        return [int(t) for t in prompt]
+
+    def chat_prompt_ids(self, messages: Sequence[Message]) -> list[int]:
+        """The conversation rendered by the model's chat template, ready for the assistant's turn."""
+        text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True)
+        # The template writes the BOS itself when the model wants one.
+        return self.tokenizer.encode(text, add_bos=False)
+
+    def generate(
+        self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | None = None, use_tqdm: bool = False
+    ) -> list[CompletionOutput]:
+        """One output per prompt. prompts: a string, a list of strings, or a list of token-id lists."""
+        params = params or SamplingParams()
+        if isinstance(prompts, str) or (len(prompts) and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        ids = [self._prompt_ids(p) for p in prompts]
+        return [self.engine.generate(p, params) for p in tqdm(ids, desc="generating", disable=not use_tqdm)]
+
+    def chat(self, messages: Sequence[Message], params: SamplingParams | None = None) -> CompletionOutput:
+        return self.engine.generate(self.chat_prompt_ids(messages), params or SamplingParams())
+
+    def stream_deltas(self, prompt_ids: Sequence[int], params: SamplingParams | None = None) -> Iterator[Delta]:
+        return self.engine.stream(prompt_ids, params or SamplingParams())
+
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[str]:
+        """Text pieces as they are generated (never a broken UTF-8 character, never part of a stop string)."""
+        for delta in self.engine.stream(self._prompt_ids(prompt), params or SamplingParams()):
+            if delta.text:
+                yield delta.text

@@ -1,0 +1,53 @@
+"""From a model name or path to a ready Transformer and Tokenizer.
+
+model file -> (GGUFModel | HFModel) -> checked weights -> Transformer
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from churon.errors import ModelFileError
+from churon.formats.gguf import GGUFModel
+from churon.formats.hf import HFModel
+from churon.model.transformer import Transformer, expected_weight_shapes
+from churon.registry import resolve_model
+from churon.tokenizer import Tokenizer
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+def open_model(model: str | os.PathLike, pull: bool = True) -> GGUFModel | HFModel:
+    """Open a model file without reading its weights: a registry name, a .gguf file or an HF directory."""
+    path = resolve_model(model, pull=pull)
+    if path.is_dir():
+        return HFModel(path)
+    return GGUFModel(path)
+
+
+def check_weights(source: GGUFModel | HFModel) -> None:
+    """Every tensor the architecture needs is present with the right shape, before any data is read."""
+    found = source.weight_shapes()
+    for name, shape in expected_weight_shapes(source.config).items():
+        if name not in found:
+            raise ModelFileError(f"{source.path}: tensor {source.file_name(name)!r} is missing")
+        if tuple(found[name]) != shape:
+            raise ModelFileError(
+                f"{source.path}: tensor {source.file_name(name)!r} has shape {list(found[name])}, expected {list(shape)}"
+            )
+
+
+def load_model(
+    model: str | os.PathLike, dtype: str | torch.dtype = "float32", pull: bool = True
+) -> tuple[Transformer, Tokenizer, GGUFModel | HFModel]:
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype {dtype!r} is not supported (supported: {', '.join(DTYPES)})")
+        dtype = DTYPES[dtype]
+    source = open_model(model, pull=pull)
+    check_weights(source)
+    tokenizer = source.load_tokenizer()
+    transformer = Transformer(source.config, source.load_weights(), dtype=dtype)
+    return transformer, tokenizer, source

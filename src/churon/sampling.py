@@ -1,0 +1,118 @@
+"""SamplingParams and the per-request Sampler: logits processors, then a seeded draw.
+
+Order, as vLLM and llama.cpp apply them: repetition / presence / frequency penalties and
+logit bias on the raw logits; then temperature; then top-k, top-p and min-p filtering;
+then a draw from the remaining distribution. Temperature 0 is exact argmax.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_k: int = 0  # 0 or -1: no top-k
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # over prompt and output tokens, as llama.cpp's repeat penalty
+    presence_penalty: float = 0.0  # over output tokens, as OpenAI's
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)  # stop strings, not emitted
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False  # keep going past end-of-generation tokens (benchmarks)
+    skip_special_tokens: bool = True
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.logit_bias = {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
+        _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", self.max_tokens, "an integer >= 1")
+        _check(_finite(self.temperature) and self.temperature >= 0, "temperature", self.temperature, ">= 0")
+        _check(isinstance(self.top_k, int) and self.top_k >= -1, "top_k", self.top_k, "an integer >= 0 (0 or -1 disables it)")
+        _check(_finite(self.top_p) and 0 < self.top_p <= 1, "top_p", self.top_p, "in (0, 1]")
+        _check(_finite(self.min_p) and 0 <= self.min_p <= 1, "min_p", self.min_p, "in [0, 1]")
+        _check(_finite(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty", self.repetition_penalty, "> 0")
+        _check(_finite(self.presence_penalty) and -2 <= self.presence_penalty <= 2, "presence_penalty", self.presence_penalty, "in [-2, 2]")
+        _check(_finite(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2, "frequency_penalty", self.frequency_penalty, "in [-2, 2]")
+        _check(all(s for s in self.stop), "stop", self.stop, "non-empty strings")
+        _check(self.seed is None or isinstance(self.seed, int), "seed", self.seed, "an integer")
+        for token, bias in self.logit_bias.items():
+            _check(math.isfinite(bias), "logit_bias", {token: bias}, "finite numbers")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def _check(ok: bool, name: str, value, expected: str) -> None:
+    if not ok:
+        raise ValueError(f"invalid sampling parameter {name}={value!r}: must be {expected}")
+
+
+class Sampler:
+    """Picks one request's tokens. Holds the request's RNG and the token counts penalties need."""
+
+    def __init__(self, params: SamplingParams, vocab_size: int, prompt_ids: Sequence[int]):
+        self.params = params
+        self.vocab_size = vocab_size
+        for token in list(params.logit_bias) + params.stop_token_ids:
+            if not 0 <= token < vocab_size:
+                raise ValueError(f"invalid token id {token} in sampling parameters: vocabulary has {vocab_size} tokens")
+        self.generator = torch.Generator().manual_seed(params.seed if params.seed is not None else secrets.randbits(63))
+        self.output_counts = torch.zeros(vocab_size, dtype=torch.float32)
+        self.seen = torch.zeros(vocab_size, dtype=torch.bool)  # prompt and output, for the repetition penalty
+        if len(prompt_ids):
+            self.seen[torch.as_tensor(list(prompt_ids), dtype=torch.long)] = True
+        self.bias = None
+        if params.logit_bias:
+            self.bias = torch.zeros(vocab_size)
+            for token, value in params.logit_bias.items():
+                self.bias[token] = value
+
+    def accept(self, token: int) -> None:
+        self.output_counts[token] += 1
+        self.seen[token] = True
+
+    def __call__(self, logits: torch.Tensor) -> int:
+        """logits: float32 [vocab] (may be wider than the vocabulary: padding columns are ignored)."""
+        p = self.params
+        logits = logits[: self.vocab_size].clone()
+        if p.repetition_penalty != 1.0:
+            penalized = logits[self.seen]
+            logits[self.seen] = torch.where(penalized > 0, penalized / p.repetition_penalty, penalized * p.repetition_penalty)
+        if p.presence_penalty or p.frequency_penalty:
+            logits -= p.presence_penalty * (self.output_counts > 0) + p.frequency_penalty * self.output_counts
+        if self.bias is not None:
+            logits += self.bias
+        if p.greedy:
+            return int(torch.argmax(logits))
+        logits /= p.temperature
+        if 0 < p.top_k < logits.shape[0]:
+            kth = torch.topk(logits, p.top_k).values[-1]
+            logits[logits < kth] = -math.inf
+        if p.top_p < 1.0:
+            sorted_logits, order = torch.sort(logits, descending=True)
+            cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
+            # drop a token when the tokens before it already reach top_p; the first always stays
+            drop = (cumulative - torch.softmax(sorted_logits, dim=-1)) >= p.top_p
+            logits[order[drop]] = -math.inf
+        probs = torch.softmax(logits, dim=-1)
+        if p.min_p > 0:
+            probs[probs < p.min_p * probs.max()] = 0
+        return int(torch.multinomial(probs, 1, generator=self.generator))

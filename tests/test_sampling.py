@@ -1,0 +1,107 @@
+import math
+
+import pytest
+import torch
+
+from churon.sampling import Sampler, SamplingParams
+
+
+def draw(params: SamplingParams, logits: list[float], prompt=(), n: int = 1) -> list[int]:
+    sampler = Sampler(params, len(logits), prompt)
+    return [sampler(torch.tensor(logits)) for _ in range(n)]
+
+
+def test_temperature_zero_is_argmax():
+    assert draw(SamplingParams(temperature=0), [0.1, 3.0, 2.9, -1.0]) == [1]
+
+
+def test_logit_bias_changes_argmax():
+    assert draw(SamplingParams(temperature=0, logit_bias={2: 0.2}), [0.1, 3.0, 2.9, -1.0]) == [2]
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_logits():
+    # token 1 (seen) 3.0 / 2 = 1.5 < token 2's 2.0; token 0 (seen) -1 * 2 = -2
+    params = SamplingParams(temperature=0, repetition_penalty=2.0)
+    sampler = Sampler(params, 3, prompt_ids=[0, 1])
+    assert sampler(torch.tensor([-1.0, 3.0, 2.0])) == 2
+
+
+def test_presence_and_frequency_penalties_count_output_tokens_only():
+    params = SamplingParams(temperature=0, frequency_penalty=0.5)
+    sampler = Sampler(params, 3, prompt_ids=[0, 0, 0])
+    logits = torch.tensor([1.0, 0.9, -5.0])
+    assert sampler(logits) == 0  # the prompt does not count
+    sampler.accept(0)
+    assert sampler(logits) == 1  # 1.0 - 0.5 < 0.9
+    params = SamplingParams(temperature=0, presence_penalty=0.2)
+    sampler = Sampler(params, 3, prompt_ids=[])
+    sampler.accept(0)
+    assert sampler(logits) == 1
+
+
+def test_top_k_one_is_greedy_even_at_high_temperature():
+    assert set(draw(SamplingParams(temperature=5.0, top_k=1, seed=0), [0.0, 1.0, 0.5, 0.2], n=50)) == {1}
+
+
+def test_top_p_keeps_smallest_set_reaching_p():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = probs.log().tolist()
+    # 0.5 < 0.7 so the second token stays; 0.8 >= 0.7 so the third goes
+    got = set(draw(SamplingParams(temperature=1.0, top_p=0.7, seed=1), logits, n=400))
+    assert got == {0, 1}
+
+
+def test_min_p_drops_tokens_below_fraction_of_best():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    got = set(draw(SamplingParams(temperature=1.0, min_p=0.5, seed=2), probs.log().tolist(), n=400))
+    assert got == {0, 1}  # 0.15 < 0.5 * 0.5
+
+
+def test_sampling_follows_the_distribution():
+    probs = torch.tensor([0.6, 0.3, 0.1])
+    draws = draw(SamplingParams(temperature=1.0, seed=3), probs.log().tolist(), n=3000)
+    freq = torch.bincount(torch.tensor(draws), minlength=3).float() / len(draws)
+    assert torch.allclose(freq, probs, atol=0.04)
+
+
+def test_same_seed_same_draws_and_other_seed_differs():
+    logits = torch.randn(100, generator=torch.Generator().manual_seed(0)).tolist()
+    a = draw(SamplingParams(temperature=1.0, seed=42), logits, n=30)
+    b = draw(SamplingParams(temperature=1.0, seed=42), logits, n=30)
+    c = draw(SamplingParams(temperature=1.0, seed=43), logits, n=30)
+    assert a == b
+    assert a != c
+
+
+def test_temperature_sharpens():
+    logits = [2.0, 1.0, 0.0]
+    cold = draw(SamplingParams(temperature=0.2, seed=0), logits, n=500)
+    hot = draw(SamplingParams(temperature=2.0, seed=0), logits, n=500)
+    assert cold.count(0) > hot.count(0)
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": math.nan}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": -3}, "max_tokens"),
+        ({"top_k": -2}, "top_k"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"presence_penalty": 3.0}, "presence_penalty"),
+        ({"stop": [""]}, "stop"),
+        ({"logit_bias": {1: math.inf}}, "logit_bias"),
+    ],
+)
+def test_invalid_parameters_name_the_field_and_value(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_out_of_vocabulary_token_ids_in_params_are_rejected():
+    with pytest.raises(ValueError, match="token id 7"):
+        Sampler(SamplingParams(logit_bias={7: 1.0}), 5, [])

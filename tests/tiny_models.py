@@ -1,0 +1,590 @@
+"""Tiny random models for tests: Hugging Face directories and GGUF files made from them.
+
+Test-support code, imported by tests (not collected itself). Transformers is the reference here and
+only here; churon never imports it.
+
+    make_tokenizer_files(dir)            byte-level BPE tokenizer (ChatML specials) trained on fixed text
+    make_hf_model(arch, dir)             tiny random Llama / Qwen2 / Qwen3, saved with save_pretrained
+    write_gguf(hf_dir, path, qtype)      converts that directory the way llama.cpp's convert_hf_to_gguf.py does
+    reference_model(hf_dir, gguf_path)   the transformers model, optionally with the weights stored in the GGUF
+
+The conversion follows convert_hf_to_gguf.py (TextModel.set_gguf_parameters, LlamaModel, Qwen2Model,
+Qwen3Model, TextModel.prepare_tensors, _set_vocab_gpt2): the same metadata keys, tensor names (through
+gguf.get_tensor_name_map), the llama q/k row permutation, F32 for 1-D tensors and norms, rope_freqs for
+llama3 rope scaling, and the vocabulary written through gguf.SpecialVocab. Where llama.cpp's converter
+and transformers would disagree about the model (see _llama3_rope_factors) write_gguf raises instead of
+writing a file whose reference would be wrong.
+
+Everything is seeded and offline: no hub access, same bytes on every run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+import gguf  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+ARCHS = ("llama", "qwen2", "qwen3")
+
+# Sizes shared by every tiny model (the brief's numbers; head_dim = hidden / heads).
+HIDDEN = 64
+N_LAYERS = 2
+N_HEADS = 4
+N_KV_HEADS = 2
+HEAD_DIM = 16
+INTERMEDIATE = 128
+MAX_POSITIONS = 256
+ROPE_THETA = 10000.0
+RMS_EPS = 1e-6
+
+# Tokenizer.
+VOCAB_SIZE = 400  # target size given to the BPE trainer (256 bytes + 3 specials + merges)
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids 0, 1, 2
+BOS_TOKEN = "<|endoftext|>"
+EOS_TOKEN = "<|im_end|>"
+PAD_TOKEN = "<|endoftext|>"
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}"
+    "{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+# A llama3 rope scaling that llama.cpp's converter and transformers agree on (all three regimes occur
+# for head_dim 16, theta 1e4: factor 1 for the high frequencies, a smoothed factor, and 8 for the lowest).
+LLAMA3_ROPE_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+QTYPES = {
+    "F32": (gguf.GGMLQuantizationType.F32, gguf.LlamaFileType.ALL_F32),
+    "F16": (gguf.GGMLQuantizationType.F16, gguf.LlamaFileType.MOSTLY_F16),
+    "BF16": (gguf.GGMLQuantizationType.BF16, gguf.LlamaFileType.MOSTLY_BF16),
+    "Q8_0": (gguf.GGMLQuantizationType.Q8_0, gguf.LlamaFileType.MOSTLY_Q8_0),
+    "Q4_0": (gguf.GGMLQuantizationType.Q4_0, gguf.LlamaFileType.MOSTLY_Q4_0),
+    "Q4_1": (gguf.GGMLQuantizationType.Q4_1, gguf.LlamaFileType.MOSTLY_Q4_1),
+    "Q5_0": (gguf.GGMLQuantizationType.Q5_0, gguf.LlamaFileType.MOSTLY_Q5_0),
+    "Q5_1": (gguf.GGMLQuantizationType.Q5_1, gguf.LlamaFileType.MOSTLY_Q5_1),
+}
+
+GGUF_ARCH = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3}
+
+TRAINING_TEXT = """\
+The quick brown fox jumps over the lazy dog. The dog did not mind; it was a warm afternoon.
+Once upon a time there was a small town by the sea, where the people went out fishing every morning.
+In the evening they would come back, sit by the fire and tell stories about the things they had seen.
+"What did you see today?" asked the child. "A whale," said her father, "and a ship with red sails."
+She laughed, because she didn't believe him, but she'd remember the red sails for a long time.
+Numbers matter too: 1, 2, 3, 10, 42, 100, 2024, 3.14 and 1,000,000 are all written with digits.
+I've been told that it's best to keep things simple. We're going to try, and they'll see the result.
+The weather was cold in the north and hot in the south; the wind came from the west in the winter.
+Machine learning models read text as tokens. A tokenizer splits the text into pieces and maps each
+piece to a number. The model then predicts the next token, one at a time, until it reaches the end.
+Hello, world! How are you? I am fine, thank you. Where is the library? It is on the other street.
+She sells sea shells by the sea shore. Peter Piper picked a peck of pickled peppers.
+To be, or not to be, that is the question: whether it is nobler in the mind to suffer the slings
+and arrows of outrageous fortune, or to take arms against a sea of troubles and by opposing end them.
+The garden had roses, tulips and a tall old tree; in spring the birds built their nests in its branches.
+    Indented lines, tabs\tand double  spaces also appear in real text, as do (brackets) and [lists].
+Water boils at 100 degrees and freezes at 0 degrees. The train leaves at 7:45 and arrives at 9:30.
+Good morning! Could you please pass the salt? Thanks a lot. You're welcome, it was nothing at all.
+"""
+
+
+# --------------------------------------------------------------------------------------------------
+# Tokenizer
+# --------------------------------------------------------------------------------------------------
+
+def make_tokenizer_files(out_dir: Path) -> None:
+    """Train a small byte-level BPE tokenizer and save tokenizer.json, tokenizer_config.json and
+    generation_config.json into out_dir (deterministic: the same files on every call)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    tok = Tokenizer(models.BPE())
+    # GPT-2 style: the GPT-2 split regex plus the byte-to-unicode mapping, i.e. llama.cpp's "gpt-2" pre.
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        min_frequency=1,
+        show_progress=False,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(TRAINING_TEXT.splitlines(keepends=True), trainer=trainer)
+    tok.save(str(out_dir / "tokenizer.json"))
+
+    ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
+    added_tokens_decoder = {
+        str(ids[t]): {
+            "content": t, "lstrip": False, "normalized": False, "rstrip": False,
+            "single_word": False, "special": True,
+        }
+        for t in SPECIAL_TOKENS
+    }
+    tokenizer_config = {
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "add_prefix_space": False,
+        "added_tokens_decoder": added_tokens_decoder,
+        "additional_special_tokens": ["<|im_start|>", "<|im_end|>"],
+        "bos_token": BOS_TOKEN,
+        "chat_template": CHAT_TEMPLATE,
+        "clean_up_tokenization_spaces": False,
+        "eos_token": EOS_TOKEN,
+        "model_max_length": MAX_POSITIONS,
+        "pad_token": PAD_TOKEN,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "unk_token": None,
+    }
+    _write_json(out_dir / "tokenizer_config.json", tokenizer_config)
+    _write_json(out_dir / "generation_config.json", _generation_config(ids))
+
+
+def _generation_config(ids: dict[str, int]) -> dict:
+    # Like Qwen2.5-Instruct: eos is a list (end of turn first), no sampling defaults.
+    return {
+        "bos_token_id": ids[BOS_TOKEN],
+        "eos_token_id": [ids[EOS_TOKEN], ids["<|endoftext|>"]],
+        "pad_token_id": ids[PAD_TOKEN],
+    }
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False, sort_keys=True) + "\n", encoding="utf-8")
+
+
+# --------------------------------------------------------------------------------------------------
+# Hugging Face model
+# --------------------------------------------------------------------------------------------------
+
+def make_hf_model(
+    arch: str,
+    out_dir: Path,
+    *,
+    tie_word_embeddings: bool = True,
+    seed: int = 0,
+    rope_scaling: dict | None = None,
+    shard: bool = False,
+    max_shard_size: str | int = "100KB",
+    extra_vocab: int = 0,
+    legacy_config: bool = False,
+) -> Path:
+    """Build a tiny random fp32 model of `arch` and save it (safetensors + config + tokenizer files).
+
+    shard=True saves several model-0000N-of-0000M.safetensors files plus model.safetensors.index.json
+    (max_shard_size sets the shard size). extra_vocab > 0 pads the embedding beyond the tokenizer's
+    vocabulary, as Qwen2.5 does (those ids become [PAD<i>] UNUSED tokens in the GGUF).
+    legacy_config=True rewrites config.json the way transformers 4.x wrote it and real checkpoints
+    (SmolLM2, Qwen2.5, Llama 3.x) still ship it: top-level rope_theta and rope_scaling (null unless
+    scaled), torch_dtype instead of dtype, no layer_types, and for qwen a sliding_window number with
+    use_sliding_window false, as Qwen2.5 has. Transformers 5 loads both to the same model.
+    Returns out_dir."""
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
+    if rope_scaling is not None and arch != "llama":
+        raise ValueError(f"rope_scaling is only supported for llama here, not {arch!r}")
+    out_dir = Path(out_dir)
+    make_tokenizer_files(out_dir)
+    model = _build_model(arch, out_dir, tie_word_embeddings, seed, rope_scaling, extra_vocab)
+    kwargs = {"max_shard_size": max_shard_size} if shard else {}
+    model.save_pretrained(out_dir, safe_serialization=True, **kwargs)
+    # save_pretrained may write its own generation_config.json; keep ours.
+    ids = _special_ids(out_dir)
+    _write_json(out_dir / "generation_config.json", _generation_config(ids))
+    if legacy_config:
+        _write_json(out_dir / "config.json", _legacy_config(json.loads((out_dir / "config.json").read_text())))
+    return out_dir
+
+
+def _legacy_config(cfg: dict) -> dict:
+    """A transformers 5 config.json in the transformers 4.x layout."""
+    cfg = dict(cfg)
+    rope = dict(cfg.pop("rope_parameters", None) or {})
+    cfg["rope_theta"] = rope.pop("rope_theta", ROPE_THETA)
+    cfg["rope_scaling"] = rope if rope.get("rope_type", "default") != "default" else None
+    if "dtype" in cfg:
+        cfg["torch_dtype"] = cfg.pop("dtype")
+    cfg.pop("layer_types", None)
+    if cfg.get("use_sliding_window") is False and cfg.get("sliding_window") is None:
+        cfg["sliding_window"] = cfg["max_position_embeddings"]  # Qwen2.5 ships a number it does not use
+    return cfg
+
+
+def _special_ids(hf_dir: Path) -> dict[str, int]:
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(Path(hf_dir) / "tokenizer.json"))
+    return {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
+
+
+def _build_model(arch: str, tok_dir: Path, tie: bool, seed: int, rope_scaling: dict | None,
+                 extra_vocab: int) -> torch.nn.Module:
+    import transformers
+    from tokenizers import Tokenizer
+
+    transformers.utils.logging.disable_progress_bar()
+    tok = Tokenizer.from_file(str(Path(tok_dir) / "tokenizer.json"))
+    ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
+    common = dict(
+        vocab_size=tok.get_vocab_size(with_added_tokens=True) + extra_vocab,
+        hidden_size=HIDDEN,
+        intermediate_size=INTERMEDIATE,
+        num_hidden_layers=N_LAYERS,
+        num_attention_heads=N_HEADS,
+        num_key_value_heads=N_KV_HEADS,
+        max_position_embeddings=MAX_POSITIONS,
+        rms_norm_eps=RMS_EPS,
+        tie_word_embeddings=tie,
+        bos_token_id=ids[BOS_TOKEN],
+        eos_token_id=ids[EOS_TOKEN],
+        pad_token_id=ids[PAD_TOKEN],
+        hidden_act="silu",
+    )
+    rope = {"rope_type": "default", "rope_theta": ROPE_THETA}
+    if rope_scaling is not None:
+        rope = {"rope_theta": ROPE_THETA, **rope_scaling}
+        rope["rope_type"] = rope.pop("type", None) or rope.get("rope_type")
+    if arch == "llama":
+        config = transformers.LlamaConfig(**common, head_dim=HEAD_DIM, attention_bias=False, mlp_bias=False,
+                                          rope_parameters=rope)
+        cls = transformers.LlamaForCausalLM
+    elif arch == "qwen2":
+        # Qwen2's q/k/v biases are built in (no attention_bias field); no head_dim field, like the real config.
+        config = transformers.Qwen2Config(**common, rope_parameters=rope)
+        cls = transformers.Qwen2ForCausalLM
+    else:
+        config = transformers.Qwen3Config(**common, head_dim=HEAD_DIM, attention_bias=False, rope_parameters=rope)
+        cls = transformers.Qwen3ForCausalLM
+    config.architectures = [cls.__name__]
+    config.dtype = "float32"
+
+    torch.manual_seed(seed)
+    model = cls(config).to(torch.float32)
+    _randomize(model, seed)
+    return model.eval()
+
+
+def _randomize(model: torch.nn.Module, seed: int) -> None:
+    """Give every parameter a seeded value large enough that mistakes show in the logits:
+    matrices ~ N(0, 0.15), norm weights ~ U(0.7, 1.3), biases ~ N(0, 0.1)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # tied lm_head shares embed_tokens, visited once
+            if p.ndim == 2:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.15)
+            elif name.endswith("bias"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+            else:  # RMSNorm weights (input/post-attention/final, q_norm/k_norm)
+                p.copy_(0.7 + 0.6 * torch.rand(p.shape, generator=g))
+
+
+# --------------------------------------------------------------------------------------------------
+# GGUF conversion
+# --------------------------------------------------------------------------------------------------
+
+def _load_hparams(hf_dir: Path) -> dict:
+    """Config as llama.cpp's converter sees it: AutoConfig(...).to_dict(), rope params mirrored."""
+    import transformers
+
+    hparams = transformers.AutoConfig.from_pretrained(hf_dir).to_dict()
+    rope = dict(hparams.get("rope_parameters") or hparams.get("rope_scaling") or {})
+    if "rope_theta" not in rope and hparams.get("rope_theta") is not None:
+        rope["rope_theta"] = hparams["rope_theta"]
+    if "rope_type" not in rope and rope.get("type") is not None:
+        rope["rope_type"] = rope["type"]
+    hparams["_rope"] = rope
+    return hparams
+
+
+def _read_safetensors(hf_dir: Path) -> list[tuple[str, torch.Tensor]]:
+    """Tensors in the order llama.cpp indexes them: part files sorted by name, keys in file order."""
+    from safetensors import safe_open
+
+    parts = sorted(p.name for p in Path(hf_dir).iterdir() if p.name.startswith("model") and p.suffix == ".safetensors")
+    if not parts:
+        raise FileNotFoundError(f"no model*.safetensors in {hf_dir}")
+    out = []
+    for part in parts:
+        with safe_open(str(Path(hf_dir) / part), framework="pt") as f:
+            for name in f.keys():
+                out.append((name, f.get_tensor(name)))
+    return out
+
+
+def permute_qk(w: torch.Tensor | np.ndarray, n_head: int):
+    """llama.cpp's LlamaModel.permute (HF rotate-half rows -> GGML interleaved rope rows)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def unpermute_qk(w: torch.Tensor | np.ndarray, n_head: int):
+    """Inverse of permute_qk (GGUF rows -> HF rows)."""
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _llama3_rope_factors(hparams: dict) -> torch.Tensor | None:
+    """rope_freqs.weight exactly as LlamaModel.generate_extra_tensors computes it, or None.
+
+    Two quirks of llama.cpp's converter are kept: it reads original_max_position_embeddings from the
+    config's top level (default 8192), not from rope_scaling, and it uses 8192 when the key is absent
+    where transformers falls back to max_position_embeddings. When that makes the factors disagree with
+    the inverse frequencies transformers computes, raise: the GGUF would not match its reference."""
+    rope = hparams["_rope"]
+    if rope.get("rope_type", "").lower() != "llama3":
+        return None
+    base = rope.get("rope_theta", 10000.0)
+    dim = hparams.get("head_dim") or hparams["hidden_size"] // hparams["num_attention_heads"]
+    freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    factor = rope.get("factor", 8.0)
+    low_freq_factor = rope.get("low_freq_factor", 1.0)
+    high_freq_factor = rope.get("high_freq_factor", 4.0)
+    old_context_len = hparams.get("original_max_position_embeddings", 8192)
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    rope_factors = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_freq_wavelen:
+            rope_factors.append(1)
+        elif wavelen > low_freq_wavelen:
+            rope_factors.append(factor)
+        else:
+            smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+            rope_factors.append(1 / ((1 - smooth) / factor + smooth))
+    factors = torch.tensor(rope_factors, dtype=torch.float32)
+
+    hf_old = rope.get("original_max_position_embeddings", hparams.get("max_position_embeddings"))
+    if hf_old != old_context_len:
+        raise ValueError(
+            f"llama3 rope_scaling: transformers uses original_max_position_embeddings={hf_old} but llama.cpp's "
+            f"converter uses {old_context_len} (it reads the config's top level, default 8192), so rope_freqs.weight "
+            f"would not match the reference model; use original_max_position_embeddings={old_context_len} "
+            f"(e.g. tiny_models.LLAMA3_ROPE_SCALING)")
+    return factors
+
+
+def write_gguf(hf_dir: Path, out_path: Path, qtype: str = "F32") -> Path:
+    """Convert the HF directory to a GGUF file like convert_hf_to_gguf.py (qtype for 2-D weights;
+    1-D tensors, norms and rope_freqs stay F32). Returns out_path."""
+    hf_dir, out_path = Path(hf_dir), Path(out_path)
+    if qtype not in QTYPES:
+        raise ValueError(f"unknown qtype {qtype!r}; expected one of {tuple(QTYPES)}")
+    data_qtype, ftype = QTYPES[qtype]
+    hparams = _load_hparams(hf_dir)
+    arch = hparams["model_type"]
+    if arch not in ARCHS:
+        raise ValueError(f"{hf_dir}/config.json: model_type {arch!r} is not one of {ARCHS}")
+    model_arch = GGUF_ARCH[arch]
+    n_blocks = hparams["num_hidden_layers"]
+    n_head = hparams["num_attention_heads"]
+    n_kv_head = hparams.get("num_key_value_heads") or n_head
+    tensor_map = gguf.get_tensor_name_map(model_arch, n_blocks)
+
+    writer = gguf.GGUFWriter(path=None, arch=gguf.MODEL_ARCH_NAMES[model_arch])
+
+    # --- tensors (TextModel.prepare_tensors: generate_extra_tensors first, then the checkpoint) ---
+    tensors: list[tuple[str, torch.Tensor]] = []
+    if arch == "llama" and (factors := _llama3_rope_factors(hparams)) is not None:
+        tensors.append((gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight", factors))
+    for name, t in _read_safetensors(hf_dir):
+        if name.endswith((".attention.masked_bias", ".attention.bias", ".rotary_emb.inv_freq")):
+            continue
+        if arch == "llama":  # LlamaModel.modify_tensors: undo_permute
+            if name.endswith(("q_proj.weight", "q_proj.bias")):
+                t = permute_qk(t, n_head)
+            if name.endswith(("k_proj.weight", "k_proj.bias")):
+                t = permute_qk(t, n_kv_head)
+        new_name = tensor_map.get_name(name, try_suffixes=(".weight", ".bias"))
+        if new_name is None:
+            raise ValueError(f"{hf_dir}: cannot map tensor {name!r} to a GGUF name")
+        tensors.append((new_name, t))
+
+    for new_name, t in tensors:
+        data = t.to(torch.float32).numpy() if t.dtype not in (torch.float16, torch.float32) else t.numpy()
+        n_dims = data.ndim
+        q = data_qtype
+        if n_dims <= 1 or new_name.endswith("_norm.weight"):
+            q = gguf.GGMLQuantizationType.F32
+        try:
+            qdata = gguf.quants.quantize(data, q)
+        except gguf.QuantError:  # llama.cpp: "falling back to F16" (e.g. rows not a multiple of the block)
+            q = gguf.GGMLQuantizationType.F16
+            qdata = gguf.quants.quantize(data, q)
+        writer.add_tensor(new_name, qdata, raw_dtype=q)
+
+    # --- metadata (ModelBase.prepare_metadata -> set_type, general.*, set_gguf_parameters) ---
+    writer.add_type(gguf.GGUFType.MODEL)
+    writer.add_name(f"tiny-{arch}")
+    _set_gguf_parameters(writer, hparams, arch, n_blocks, ftype)
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    _set_vocab_gpt2(writer, hf_dir, hparams)
+
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    writer.write_header_to_file(path=out_path)
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out_path
+
+
+def _set_gguf_parameters(writer: gguf.GGUFWriter, hparams: dict, arch: str, n_blocks: int,
+                         ftype: gguf.LlamaFileType) -> None:
+    """TextModel.set_gguf_parameters (+ LlamaModel's vocab_size and rope.dimension_count for llama)."""
+    writer.add_block_count(n_blocks)
+    writer.add_context_length(hparams["max_position_embeddings"])
+    writer.add_embedding_length(hparams["hidden_size"])
+    writer.add_feed_forward_length(hparams["intermediate_size"])
+    writer.add_head_count(hparams["num_attention_heads"])
+    if hparams.get("num_key_value_heads") is not None:
+        writer.add_head_count_kv(hparams["num_key_value_heads"])
+    rope = hparams["_rope"]
+    rope_type = rope.get("rope_type")
+    if rope_type == "linear" and rope.get("factor") is not None:
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope["factor"])
+    # "default": nothing; "llama3": handled by the rope_freqs tensor, no rope.scaling.* keys.
+    if rope.get("rope_theta") is not None:
+        writer.add_rope_freq_base(rope["rope_theta"])
+    writer.add_layer_norm_rms_eps(hparams["rms_norm_eps"])
+    if hparams.get("head_dim") is not None:  # qwen2's config has no head_dim, so no key/value_length
+        writer.add_key_length(hparams["head_dim"])
+        writer.add_value_length(hparams["head_dim"])
+    writer.add_file_type(ftype)
+    if arch == "llama":
+        writer.add_vocab_size(hparams["vocab_size"])
+        rope_dim = hparams.get("head_dim") or hparams["hidden_size"] // hparams["num_attention_heads"]
+        writer.add_rope_dimension_count(rope_dim)
+
+
+def _set_vocab_gpt2(writer: gguf.GGUFWriter, hf_dir: Path, hparams: dict) -> None:
+    """TextModel._set_vocab_gpt2 / get_vocab_base, with tokenizer.ggml.pre fixed to "gpt-2"."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(hf_dir / "tokenizer.json"))
+    vocab = tok.get_vocab(with_added_tokens=True)
+    vocab_size = hparams.get("vocab_size", len(vocab))
+    assert max(vocab.values()) < vocab_size
+    reverse_vocab = {i: t for t, i in vocab.items()}
+    added = tok.get_added_tokens_decoder()  # id -> AddedToken
+    tokens: list[str] = []
+    toktypes: list[int] = []
+    for i in range(vocab_size):
+        if i not in reverse_vocab:
+            tokens.append(f"[PAD{i}]")
+            toktypes.append(gguf.TokenType.UNUSED)
+            continue
+        token = reverse_vocab[i]
+        if i in added:
+            looks_special = token.startswith("<|") and token.endswith("|>")
+            toktypes.append(gguf.TokenType.CONTROL if added[i].special or looks_special else gguf.TokenType.USER_DEFINED)
+        else:
+            toktypes.append(gguf.TokenType.NORMAL)
+        tokens.append(token)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt-2")
+    writer.add_token_list(tokens)
+    writer.add_token_types(toktypes)
+    special_vocab = gguf.SpecialVocab(hf_dir, load_merges=True, n_vocab=len(tokens))
+    special_vocab.add_to_gguf(writer, quiet=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# Reference
+# --------------------------------------------------------------------------------------------------
+
+def gguf_to_hf_name(arch: str, gguf_name: str, n_blocks: int) -> str | None:
+    """HF parameter name for a GGUF tensor name (None for tensors with no HF parameter, e.g. rope_freqs)."""
+    fixed = {
+        "token_embd.weight": "model.embed_tokens.weight",
+        "output_norm.weight": "model.norm.weight",
+        "output.weight": "lm_head.weight",
+    }
+    if gguf_name in fixed:
+        return fixed[gguf_name]
+    parts = gguf_name.split(".")
+    if parts[0] != "blk" or len(parts) != 4 or not (0 <= int(parts[1]) < n_blocks):
+        return None
+    per_block = {
+        "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+        "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+        "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+        "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    }
+    if parts[2] not in per_block:
+        return None
+    return f"model.layers.{parts[1]}.{per_block[parts[2]]}.{parts[3]}"
+
+
+def gguf_tensor_as_hf(reader: gguf.GGUFReader, t, arch: str) -> torch.Tensor:
+    """One GGUF tensor dequantized to fp32 in HF layout (llama q/k rows un-permuted)."""
+    data = gguf.quants.dequantize(np.array(t.data), t.tensor_type)  # a copy: the reader's memmap is read-only
+    shape = tuple(int(n) for n in reversed(t.shape.tolist()))  # GGML ne order -> numpy order
+    data = np.ascontiguousarray(data.reshape(shape), dtype=np.float32)
+    if arch == "llama" and t.name.split(".")[-2] in ("attn_q", "attn_k"):
+        n_head = _field(reader, "llama.attention.head_count")
+        if t.name.split(".")[-2] == "attn_k":
+            n_head = _field(reader, "llama.attention.head_count_kv")
+        data = unpermute_qk(data, n_head)
+    return torch.from_numpy(np.array(data, dtype=np.float32, order="C"))
+
+
+def _field(reader: gguf.GGUFReader, key: str):
+    f = reader.get_field(key)
+    if f is None:
+        raise KeyError(f"GGUF has no metadata key {key!r}")
+    return f.contents()
+
+
+def reference_model(hf_dir: Path, gguf_path: Path | None = None) -> torch.nn.Module:
+    """The transformers model from hf_dir in fp32 eval mode (eager attention). With gguf_path, every
+    parameter stored in the GGUF is replaced by that tensor dequantized (and un-permuted for llama q/k),
+    so the reference computes with exactly the weights churon reads from the file."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        Path(hf_dir), dtype=torch.float32, attn_implementation="eager")
+    model.eval()
+    if gguf_path is None:
+        return model
+    reader = gguf.GGUFReader(Path(gguf_path))
+    arch = model.config.model_type
+    params = dict(model.named_parameters(remove_duplicate=False))
+    seen = set()
+    with torch.no_grad():
+        for t in reader.tensors:
+            hf_name = gguf_to_hf_name(arch, t.name, model.config.num_hidden_layers)
+            if hf_name is None:
+                continue
+            if hf_name not in params:
+                raise KeyError(f"{gguf_path}: tensor {t.name!r} maps to {hf_name!r}, which the model lacks")
+            value = gguf_tensor_as_hf(reader, t, arch)
+            p = params[hf_name]
+            if tuple(p.shape) != tuple(value.shape):
+                raise ValueError(f"{gguf_path}: {t.name} has shape {tuple(value.shape)}, model wants {tuple(p.shape)}")
+            p.copy_(value)
+            seen.add(hf_name)
+    missing = [n for n in params if n not in seen and not (n == "lm_head.weight" and model.config.tie_word_embeddings)]
+    if missing:
+        raise ValueError(f"{gguf_path}: no GGUF tensor for {missing}")
+    return model
