@@ -540,11 +540,10 @@ def gguf_tensor_as_hf(reader: gguf.GGUFReader, t, arch: str) -> torch.Tensor:
     """One GGUF tensor dequantized to fp32 in HF layout (llama q/k rows un-permuted)."""
     data = gguf.quants.dequantize(np.array(t.data), t.tensor_type)  # a copy: the reader's memmap is read-only
     shape = tuple(int(n) for n in reversed(t.shape.tolist()))  # GGML ne order -> numpy order
-    data = np.ascontiguousarray(data.reshape(shape), dtype=np.float32)
-    if arch == "llama" and t.name.split(".")[-2] in ("attn_q", "attn_k"):
-        n_head = _field(reader, "llama.attention.head_count")
-        if t.name.split(".")[-2] == "attn_k":
-            n_head = _field(reader, "llama.attention.head_count_kv")
+    data = data.reshape(shape)
+    kind = t.name.split(".")[-2]
+    if arch == "llama" and kind in ("attn_q", "attn_k"):
+        n_head = _field(reader, "llama.attention.head_count" if kind == "attn_q" else "llama.attention.head_count_kv")
         data = unpermute_qk(data, n_head)
     return torch.from_numpy(np.array(data, dtype=np.float32, order="C"))
 

@@ -130,6 +130,9 @@ _BLOCK_NAMES = {
     "ffn_down.weight": "mlp.down_proj.weight",
 }
 
+_FILE_NAMES = {v: k for k, v in _GLOBAL_NAMES.items()}
+_BLOCK_FILE_NAMES = {v: k for k, v in _BLOCK_NAMES.items()}
+
 
 def canonical_name(gguf_name: str) -> str | None:
     if gguf_name in _GLOBAL_NAMES:
@@ -205,10 +208,11 @@ class GGUFModel:
         return out
 
     def file_name(self, canonical: str) -> str:
-        for t in self.file.tensors:
-            if canonical_name(t) == canonical:
-                return t
-        return canonical
+        """The name this file uses (or would use) for a canonical tensor name."""
+        if canonical in _FILE_NAMES:
+            return _FILE_NAMES[canonical]
+        _, layer, rest = canonical.split(".", 2)
+        return f"blk.{layer}.{_BLOCK_FILE_NAMES[rest]}"
 
     def load_weights(self) -> dict[str, torch.Tensor]:
         """Every known tensor dequantized to float32, q/k rows back in the Hugging Face layout."""

@@ -1,0 +1,99 @@
+"""churon's logits against transformers' on tiny random models, from safetensors and from GGUF.
+
+The reference computes with exactly the weights stored in each file (tiny_models.reference_model),
+so the only differences left are arithmetic order: 1e-4 relative to the largest logit in fp32.
+"""
+
+import pytest
+import torch
+
+from churon.loader import load_model
+from tiny_models import ARCHS, LLAMA3_ROPE_SCALING, make_hf_model, reference_model, write_gguf
+
+RTOL = 1e-4
+PROMPT = [5, 17, 42, 99, 3, 250, 7, 64, 128, 11, 300, 8]
+DECODE_STEPS = 20
+
+
+def assert_close_relative(actual: torch.Tensor, expected: torch.Tensor, rtol: float = RTOL) -> None:
+    scale = expected.abs().max().item()
+    diff = (actual - expected).abs().max().item()
+    assert diff <= rtol * scale, f"max |diff| {diff:.3g} > {rtol} x max |logit| {scale:.3g}"
+
+
+def compare_prefill_and_decode(model_path, reference) -> None:
+    """Prompt logits at every position, then 20 greedy decode steps through churon's KV cache."""
+    transformer, _, _ = load_model(model_path)
+    cache = transformer.new_cache(len(PROMPT) + DECODE_STEPS)
+    tokens = list(PROMPT)
+    with torch.no_grad():
+        expected = reference(torch.tensor([tokens])).logits[0]
+    actual = transformer(torch.tensor(tokens), 0, cache, all_logits=True)
+    assert actual.shape == expected.shape
+    assert_close_relative(actual, expected)
+    for _ in range(DECODE_STEPS):
+        tokens.append(int(expected[-1].argmax()))
+        with torch.no_grad():
+            expected = reference(torch.tensor([tokens])).logits[0]
+        actual = transformer(torch.tensor(tokens[-1:]), len(tokens) - 1, cache)
+        assert_close_relative(actual[0], expected[-1])
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def hf_dir(request, tmp_path_factory):
+    return make_hf_model(request.param, tmp_path_factory.mktemp(request.param))
+
+
+def test_safetensors_directory_matches_transformers(hf_dir):
+    compare_prefill_and_decode(hf_dir, reference_model(hf_dir))
+
+
+@pytest.mark.parametrize("qtype", ["F32", "F16", "Q8_0", "Q4_0"])
+def test_gguf_matches_transformers_on_the_stored_weights(hf_dir, qtype, tmp_path):
+    path = write_gguf(hf_dir, tmp_path / f"model-{qtype}.gguf", qtype)
+    compare_prefill_and_decode(path, reference_model(hf_dir, path))
+
+
+def test_quantized_gguf_really_differs_from_the_fp32_model(hf_dir, tmp_path):
+    """Guards the test above: the Q4_0 reference must not silently be the unquantized model."""
+    path = write_gguf(hf_dir, tmp_path / "model-Q4_0.gguf", "Q4_0")
+    transformer, _, _ = load_model(path)
+    with torch.no_grad():
+        fp32 = reference_model(hf_dir)(torch.tensor([PROMPT])).logits[0]
+    actual = transformer(torch.tensor(PROMPT), 0, transformer.new_cache(), all_logits=True)
+    assert (actual - fp32).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("source", ["hf", "gguf"])
+def test_llama3_rope_scaling(source, tmp_path):
+    hf = make_hf_model("llama", tmp_path / "hf", rope_scaling=LLAMA3_ROPE_SCALING)
+    path = hf if source == "hf" else write_gguf(hf, tmp_path / "m.gguf", "F32")
+    compare_prefill_and_decode(path, reference_model(hf, None if source == "hf" else path))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_separate_output_embedding(arch, tmp_path):
+    hf = make_hf_model(arch, tmp_path / "hf", tie_word_embeddings=False)
+    compare_prefill_and_decode(hf, reference_model(hf))
+    path = write_gguf(hf, tmp_path / "m.gguf", "F16")
+    compare_prefill_and_decode(path, reference_model(hf, path))
+
+
+def test_sharded_safetensors_with_index(tmp_path):
+    hf = make_hf_model("qwen3", tmp_path / "hf", shard=True)
+    assert len(list(hf.glob("*.safetensors"))) > 1
+    compare_prefill_and_decode(hf, reference_model(hf))
+
+
+def test_transformers_4_style_config(tmp_path):
+    hf = make_hf_model("qwen2", tmp_path / "hf", legacy_config=True)
+    compare_prefill_and_decode(hf, reference_model(hf))
+
+
+def test_bf16_activations_stay_close(hf_dir):
+    """bf16 is a speed/memory option, not exact: its logits stay within a few percent."""
+    transformer, _, _ = load_model(hf_dir, dtype="bfloat16")
+    with torch.no_grad():
+        expected = reference_model(hf_dir)(torch.tensor([PROMPT])).logits[0]
+    actual = transformer(torch.tensor(PROMPT), 0, transformer.new_cache(), all_logits=True)
+    assert_close_relative(actual, expected, rtol=0.05)

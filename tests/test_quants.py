@@ -1,0 +1,185 @@
+"""churon.formats.quants.dequantize against the `gguf` package's numpy reference.
+
+Tolerance: none. Both implementations follow ggml's dequantize_row_* operation for
+operation (fp16 -> fp32 scale, scale products, one multiply, one add/subtract, each
+rounded to float32), so the results must be equal value for value.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import gguf.quants as gq
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+
+from churon.errors import ModelFileError, UnsupportedModelError
+from churon.formats import quants
+from churon.formats.quants import SUPPORTED_TYPES, dequantize
+
+FLOAT_TYPES = [T.F32, T.F16, T.BF16]
+BLOCK_TYPES = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K]
+K_QUANTS = {T.Q4_K, T.Q5_K, T.Q6_K}
+
+# byte offsets of the fp16 scale fields in each block (ggml-common.h)
+FP16_FIELDS = {
+    T.Q8_0: [0],
+    T.Q4_0: [0],
+    T.Q4_1: [0, 2],
+    T.Q5_0: [0],
+    T.Q5_1: [0, 2],
+    T.Q4_K: [0, 2],
+    T.Q5_K: [0, 2],
+    T.Q6_K: [208],
+}
+
+
+def shapes_for(qtype: T) -> list[tuple[int, ...]]:
+    k = 256 if qtype in K_QUANTS else 32
+    return [(k,), (1, 256), (3, 512), (7, 768), (2, 3, 2 * k)]
+
+
+def rng_for(*key) -> np.random.Generator:
+    return np.random.default_rng(zlib.crc32(repr(key).encode()))
+
+
+def quantized_bytes(qtype: T, shape: tuple[int, ...]) -> np.ndarray | None:
+    """Random normal data quantized by the gguf package, or None if it cannot quantize qtype."""
+    rng = rng_for("quantize", qtype.name, shape)
+    data = (rng.standard_normal(shape) * rng.uniform(0.01, 3.0)).astype(np.float32)
+    if len(shape) > 1:
+        data.reshape(-1, shape[-1])[0] = 0.0  # an all-zero row: the d == 0 branch
+    try:
+        q = gq.quantize(data, qtype)
+    except NotImplementedError:
+        return None
+    return np.ascontiguousarray(q).reshape(-1).view(np.uint8)
+
+
+def random_block_bytes(qtype: T, shape: tuple[int, ...]) -> np.ndarray:
+    """Random blocks: every code bit random, fp16 scale fields finite and of either sign."""
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    n_blocks = int(np.prod(shape)) // block_size
+    rng = rng_for("random", qtype.name, shape)
+    blocks = rng.integers(0, 256, size=(n_blocks, type_size), dtype=np.uint8)
+    for offset in FP16_FIELDS[qtype]:
+        scale = rng.uniform(-0.1, 0.1, size=n_blocks).astype(np.float16)
+        blocks[:, offset : offset + 2] = scale.view(np.uint8).reshape(n_blocks, 2)
+    return blocks.reshape(-1)
+
+
+def reference(raw: np.ndarray, qtype: T, shape: tuple[int, ...]) -> np.ndarray:
+    return gq.dequantize(raw.reshape(shape[:-1] + (-1,)), qtype).reshape(shape)
+
+
+def check(raw: np.ndarray, qtype: T, shape: tuple[int, ...]) -> None:
+    before = raw.copy()
+    out = dequantize(raw, qtype, shape)
+    assert isinstance(out, torch.Tensor)
+    assert out.dtype == torch.float32 and tuple(out.shape) == shape and out.is_contiguous()
+    want = reference(raw, qtype, shape)
+    got = out.numpy()
+    assert np.isfinite(got).all()
+    np.testing.assert_array_equal(got, want)  # exact, see the module docstring
+    np.testing.assert_array_equal(raw, before)  # the input is never written
+
+
+def test_supported_types():
+    assert SUPPORTED_TYPES == frozenset(FLOAT_TYPES + BLOCK_TYPES)
+
+
+@pytest.mark.parametrize("qtype", FLOAT_TYPES + BLOCK_TYPES, ids=lambda t: t.name)
+def test_quantized_data_matches_gguf(qtype):
+    any_quantized = False
+    for shape in shapes_for(qtype):
+        raw = quantized_bytes(qtype, shape)
+        if raw is None:  # the gguf package cannot quantize this type (the K-quants)
+            raw = random_block_bytes(qtype, shape)
+        else:
+            any_quantized = True
+        check(raw, qtype, shape)
+    if qtype not in K_QUANTS:
+        assert any_quantized, f"gguf should quantize {qtype.name}"
+
+
+@pytest.mark.parametrize("qtype", BLOCK_TYPES, ids=lambda t: t.name)
+def test_random_blocks_match_gguf(qtype):
+    for shape in shapes_for(qtype):
+        check(random_block_bytes(qtype, shape), qtype, shape)
+
+
+@pytest.mark.parametrize("qtype", BLOCK_TYPES, ids=lambda t: t.name)
+def test_many_chunks(qtype, monkeypatch):
+    # the default chunk is far larger than these tensors: force several chunks, including
+    # a short last one (13 rows of 256 values = 3328 values, chunks of 512 values)
+    monkeypatch.setattr(quants, "CHUNK_VALUES", 512)
+    shape = (13, 256)
+    check(random_block_bytes(qtype, shape), qtype, shape)
+
+
+@pytest.mark.parametrize("qtype", [T.F32, T.Q8_0, T.Q4_1, T.Q6_K], ids=lambda t: t.name)
+def test_read_only_memmap_input(qtype, tmp_path):
+    shape = (3, 512)
+    raw = quantized_bytes(qtype, shape)
+    if raw is None:
+        raw = random_block_bytes(qtype, shape)
+    path = tmp_path / "tensor.bin"
+    path.write_bytes(b"\0" * 32 + raw.tobytes())
+    mm = np.memmap(path, dtype=np.uint8, mode="r")
+    view = mm[32:]
+    assert not view.flags.writeable
+    out = dequantize(view, qtype, shape)
+    np.testing.assert_array_equal(out.numpy(), reference(raw, qtype, shape))
+    out.add_(1.0)  # the result is its own memory, never the read-only map
+    assert out.data_ptr() != view.ctypes.data
+
+
+def test_empty_tensor():
+    out = dequantize(np.zeros(0, np.uint8), T.Q4_1, (0, 64))
+    assert tuple(out.shape) == (0, 64) and out.dtype == torch.float32
+
+
+@pytest.mark.parametrize("qtype", [T.Q2_K, T.Q3_K, T.IQ4_NL, T.TQ1_0], ids=lambda t: t.name)
+def test_unsupported_type(qtype):
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    raw = np.zeros(type_size, np.uint8)
+    with pytest.raises(UnsupportedModelError) as e:
+        dequantize(raw, qtype, (block_size,), name="blk.0.ffn_up.weight")
+    msg = str(e.value)
+    assert qtype.name in msg and "blk.0.ffn_up.weight" in msg
+    for t in SUPPORTED_TYPES:
+        assert t.name in msg
+    with pytest.raises(UnsupportedModelError, match=qtype.name):
+        dequantize(raw, qtype, (block_size,))
+
+
+def test_unknown_type_id():
+    with pytest.raises(UnsupportedModelError, match="9999"):
+        dequantize(np.zeros(4, np.uint8), 9999, (1,))
+
+
+@pytest.mark.parametrize(
+    "qtype, shape, n_bytes, expected",
+    [
+        (T.Q4_1, (3, 64), 100, 3 * 2 * 20),
+        (T.Q4_1, (3, 64), 3 * 2 * 20 + 1, 3 * 2 * 20),
+        (T.Q8_0, (2, 32), 0, 2 * 34),
+        (T.F16, (5, 7), 69, 70),
+        (T.Q6_K, (1, 256), 209, 210),
+    ],
+    ids=["short", "long", "empty", "f16", "q6_k"],
+)
+def test_size_mismatch(qtype, shape, n_bytes, expected):
+    with pytest.raises(ModelFileError) as e:
+        dequantize(np.zeros(n_bytes, np.uint8), qtype, shape, name="token_embd.weight")
+    msg = str(e.value)
+    assert str(expected) in msg and str(n_bytes) in msg and "token_embd.weight" in msg and qtype.name in msg
+
+
+def test_row_not_multiple_of_block():
+    with pytest.raises(ModelFileError, match="block size 32"):
+        dequantize(np.zeros(20, np.uint8), T.Q4_1, (1, 48))
+    with pytest.raises(ModelFileError, match="block size 256"):
+        dequantize(np.zeros(144, np.uint8), T.Q4_K, (2, 128))
