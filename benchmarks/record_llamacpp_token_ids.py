@@ -58,7 +58,8 @@ def main(argv: list[str]) -> int:
         print(__doc__)
         return 2
     model_path = Path(argv[1])
-    out = Path(argv[2]) if len(argv) > 2 else Path(__file__).resolve().parent.parent / "tests/data/smollm2_llamacpp_token_ids.json"
+    default_out = Path(__file__).resolve().parent.parent / "tests/data/smollm2_llamacpp_token_ids.json"
+    out = Path(argv[2]) if len(argv) > 2 else default_out
     import llama_cpp
 
     llm = llama_cpp.Llama(str(model_path), vocab_only=True, verbose=False)

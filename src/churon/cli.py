@@ -86,8 +86,8 @@ def cmd_run(args) -> int:
 def _print_metrics(out) -> None:
     m = out.metrics
     print(
-        f"prompt: {m.prompt_tokens} tokens, {m.prefill_tokens_per_second:.1f} tokens/s | "
-        f"generated: {m.generated_tokens} tokens, {m.decode_tokens_per_second:.1f} tokens/s | "
+        f"prompt: {m.prompt_tokens} tokens at {m.prefill_tokens_per_second:.1f} tokens/s | "
+        f"decode: {m.generated_tokens} tokens at {m.decode_tokens_per_second:.1f} tokens/s | "
         f"time to first token: {m.prefill_seconds * 1000:.0f} ms | finish: {out.finish_reason}",
         file=sys.stderr,
     )

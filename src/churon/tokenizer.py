@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import numbers
 import os
 import threading
 import warnings
@@ -117,7 +118,7 @@ BPE_PRE_TOKENIZERS: dict[str, _BPEPre] = {
 # (llama_vocab::impl::load, "maintain a list of tokens that cause end-of-generation").
 EOG_TOKEN_TEXTS = frozenset({
     "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
-    "<end_of_turn>", "<|endoftext|>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
+    "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
     "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
     "<\uff5cend\u2581of\u2581sentence\uff5c>",
 })
@@ -138,7 +139,7 @@ _CHATML_TEMPLATE = (
 
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible map from bytes to printable characters."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     cs = bs[:]
     n = 0
     for b in range(256):
@@ -348,7 +349,9 @@ class Tokenizer:
             if t == "":
                 t = tokens[i] = f"[EMPTY_{i}]"  # llama.cpp names empty tokens the same way
             if t in vocab:
-                raise ModelFileError(f"{source}: duplicate token {t!r} in tokenizer.ggml.tokens (ids {vocab[t]} and {i})")
+                raise ModelFileError(
+                    f"{source}: duplicate token {t!r} in tokenizer.ggml.tokens (ids {vocab[t]} and {i})"
+                )
             vocab[t] = i
 
         # Tokens llama.cpp recognises by their text as end-of-generation are control tokens
@@ -402,7 +405,10 @@ class Tokenizer:
             unk = next((tokens[i] for i in range(n) if types[i] == TOKEN_UNKNOWN), None)
             hf = HFTokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=unk, byte_fallback=has_bytes))
             escape = normalizers.Replace(" ", SPM_SPACE)
-            hf.normalizer = normalizers.Sequence([normalizers.Prepend(SPM_SPACE), escape]) if add_space_prefix else escape
+            if add_space_prefix:
+                hf.normalizer = normalizers.Sequence([normalizers.Prepend(SPM_SPACE), escape])
+            else:
+                hf.normalizer = escape
             steps = [decoders.Replace(SPM_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
             if add_space_prefix:
                 steps.append(decoders.Strip(" ", 1, 0))
@@ -443,23 +449,32 @@ class Tokenizer:
             v = metadata.get(key)
             if v is None:
                 return default
-            if not isinstance(v, int) or not 0 <= v < n:
-                warnings.warn(f"{source}: {key} = {v!r} is outside the vocabulary of {n} tokens; ignored")
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or not 0 <= v < n:
+                warnings.warn(f"{source}: {key} = {v!r} is not a token id (the vocabulary has {n} tokens); ignored")
                 return default
-            return v
+            return int(v)
 
         bos_id = token_id("tokenizer.ggml.bos_token_id", default_bos)
         eos_id = token_id("tokenizer.ggml.eos_token_id", default_eos)
         eot_id = token_id("tokenizer.ggml.eot_token_id", None)
         eom_id = token_id("tokenizer.ggml.eom_token_id", None)
-        eog = {i for i in (eos_id, eot_id, eom_id) if i is not None}
-        eog.update(vocab[t] for t in (EOG_TOKEN_TEXTS | _FIM_EOG_TOKEN_TEXTS) if t in vocab)
+        eog = {vocab[t] for t in (EOG_TOKEN_TEXTS | _FIM_EOG_TOKEN_TEXTS) if t in vocab}
+        # llama.cpp's exceptions: gpt-oss / solar-open continue after <|end|>, gemma4 after </s>
+        if "<|end|>" in vocab and (
+            ("<|return|>" in vocab and "<|call|>" in vocab) or ("<|calls|>" in vocab and "<|flush|>" in vocab)
+        ):
+            eog.discard(vocab["<|end|>"])
+        if "</s>" in vocab and "<|tool_response>" in vocab:
+            eog.discard(vocab["</s>"])
+        eog.update(i for i in (eos_id, eot_id, eom_id) if i is not None)
 
         add_bos = metadata.get("tokenizer.ggml.add_bos_token", default_add_bos)
         if not isinstance(add_bos, bool):
             raise ModelFileError(f"{source}: tokenizer.ggml.add_bos_token = {add_bos!r} is not a bool")
         if add_bos and bos_id is None:
-            raise ModelFileError(f"{source}: tokenizer.ggml.add_bos_token is true but tokenizer.ggml.bos_token_id is not set")
+            raise ModelFileError(
+                f"{source}: tokenizer.ggml.add_bos_token is true but tokenizer.ggml.bos_token_id is not set"
+            )
 
         template = metadata.get("tokenizer.chat_template")
         if template is not None and not isinstance(template, str):

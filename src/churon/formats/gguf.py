@@ -169,7 +169,7 @@ class GGUFModel:
         embed = f.tensors.get("token_embd.weight")
         if embed is None:
             raise ModelFileError(f"{self.path}: tensor 'token_embd.weight' is missing")
-        vocab = int(f.get(p + "vocab_size", len(f.get("tokenizer.ggml.tokens", ())) or embed.shape[0]))
+        vocab = int(f.get(p + "vocab_size", embed.shape[0]))  # Qwen files leave vocab_size out
         rope_scaling = None
         scaling_type = f.get(p + "rope.scaling.type")
         if scaling_type == "linear":

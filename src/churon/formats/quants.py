@@ -3,8 +3,9 @@
 A quantized GGML tensor is a sequence of fixed-size blocks laid along its contiguous
 (last) dimension. Each block holds `block_size` values in `type_size` bytes: one or two
 fp16 scales followed by packed integer codes. The layouts below follow ggml-common.h;
-every block function works on all blocks of a tensor at once, as a (n_blocks, type_size)
-uint8 tensor, with shifts and masks; no Python loop runs per block.
+every block function works on many blocks at once (a chunk of about a million values),
+as a (n_blocks, type_size) uint8 tensor, with shifts and masks; no Python loop runs per
+block.
 
 The arithmetic repeats ggml's dequantize_row_* (and the `gguf` package's reference
 numpy code) operation for operation -- scale products first, one multiply, then one add
