@@ -1,5 +1,6 @@
 """The real SmolLM2-135M-Instruct Q4_1 GGUF against transformers loading the same file (dequantized, fp32)."""
 
+import os
 import subprocess
 import sys
 
@@ -111,3 +112,16 @@ def test_cli_inspect_reports_structure_and_memory(smollm2_gguf):
         assert expected in out, expected
     # 2 x 30 layers x 3 KV heads x 64 x 4 bytes (f32) = 46,080 bytes per token
     assert "46,080 bytes" in out
+
+
+def test_pull_into_an_empty_cache_then_list(tmp_path):
+    env = {**os.environ, "CHURON_HOME": str(tmp_path)}
+    pull = subprocess.run([sys.executable, "-m", "churon.cli", "pull", "smollm2-135m"],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert pull.returncode == 0, pull.stderr
+    path = tmp_path / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert pull.stdout.strip() == str(path) and path.stat().st_size == 98362432
+    listing = subprocess.run([sys.executable, "-m", "churon.cli", "list"], capture_output=True, text=True, env=env)
+    assert listing.returncode == 0, listing.stderr
+    assert "SmolLM2-135M-Instruct.Q4_1.gguf" in listing.stdout and "93.8 MiB" in listing.stdout
+    assert "llama" in listing.stdout and "Q4_1" in listing.stdout

