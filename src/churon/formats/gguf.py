@@ -214,23 +214,36 @@ class GGUFModel:
         _, layer, rest = canonical.split(".", 2)
         return f"blk.{layer}.{_BLOCK_FILE_NAMES[rest]}"
 
-    def load_weights(self) -> dict[str, torch.Tensor]:
-        """Every known tensor dequantized to float32, q/k rows back in the Hugging Face layout."""
-        weights = {}
+    def raw_weights(self) -> dict[str, GGUFTensor]:
+        """Every known tensor as stored (quantized bytes), by canonical name, q/k rows in the Hugging Face layout.
+
+        Un-permuting moves whole rows, so it works on quantized bytes as well as on floats.
+        """
         c = self.config
+        out = {}
         for t in self.file.tensors.values():
             name = canonical_name(t.name)
             if name is None:
                 continue
+            heads = None
+            if c.architecture == "llama" and name.startswith("layers.") and ".q_proj." in name:
+                heads = c.num_heads
+            elif c.architecture == "llama" and name.startswith("layers.") and ".k_proj." in name:
+                heads = c.num_kv_heads
+            if heads is not None:
+                order = _unpermute_rope_rows(torch.arange(t.shape[0]), heads).numpy()
+                t = GGUFTensor(t.name, t.shape, t.qtype, t.data.reshape(t.shape[0], -1)[order].reshape(-1))
+            out[name] = t
+        return out
+
+    def load_weights(self) -> dict[str, torch.Tensor]:
+        """Every known tensor dequantized to float32, q/k rows in the Hugging Face layout."""
+        weights = {}
+        for name, t in self.raw_weights().items():
             try:
-                w = dequantize(t.data, t.qtype, t.shape, name=t.name)
+                weights[name] = dequantize(t.data, t.qtype, t.shape, name=t.name)
             except (ModelFileError, UnsupportedModelError) as e:
                 raise type(e)(f"{self.path}: {e}") from e
-            if c.architecture == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
-                w = _unpermute_rope_rows(w, c.num_heads)
-            elif c.architecture == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
-                w = _unpermute_rope_rows(w, c.num_kv_heads)
-            weights[name] = w
         return weights
 
     def load_tokenizer(self) -> Tokenizer:

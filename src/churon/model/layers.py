@@ -116,11 +116,11 @@ class Attention(nn.Module):
         positions = slice(start, start + n)
         q = self.rope(q, positions)
         k = self.rope(k, positions)
-        keys, values = cache.write(self.layer, start, k, v)  # [kv_heads, start + n, head_dim]
+        keys, values = cache.write(self.layer, start, k, v)  # [start + n, kv_heads, head_dim]
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1),
-            keys,
-            values,
+            keys.transpose(0, 1),
+            values.transpose(0, 1),
             attn_mask=_causal_mask(n, start, x.device) if n > 1 and start > 0 else None,
             is_causal=n > 1 and start == 0,
             scale=self.scale,
