@@ -110,7 +110,7 @@ Hello world! Hello there, general Kenobi. The model reads, the model writes.
 
 @pytest.fixture(scope="module")
 def spm_model():
-    spm = pytest.importorskip("sentencepiece")
+    import sentencepiece as spm  # a test dependency: a missing install must fail, not skip
     buf = io.BytesIO()
     spm.SentencePieceTrainer.train(
         sentence_iterator=iter(SPM_TEXT.splitlines() * 20),
@@ -307,7 +307,7 @@ def test_gguf_errors(trained_bpe):
 
 def test_from_real_gguf_file(trained_bpe, tmp_path):
     """Metadata as GGUFFile hands it over (numpy-free lists, ints, bools)."""
-    gguf = pytest.importorskip("gguf")
+    import gguf
     import numpy as np
 
     from churon.formats.gguf import GGUFFile
