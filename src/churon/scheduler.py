@@ -1,0 +1,217 @@
+"""Continuous batching: which sequences run in the next step, and how many tokens each.
+
+Each step (as vLLM v1 does it):
+
+1. RUNNING sequences, oldest first, get their next tokens within the token budget: one
+   for a decode, the next chunk for a prefill still in progress. When the block manager
+   cannot give one the block it needs, the most recently arrived running sequence is
+   preempted (blocks freed, back to the front of the waiting queue, recomputed later from
+   prompt + generated tokens) and the allocation retried.
+2. If nothing was preempted, WAITING sequences are admitted first come, first served while
+   the budget, max_num_seqs and free blocks allow. With chunked prefill a prompt longer
+   than the budget left is split; without it a prompt runs whole or waits. The queue head
+   blocks the queue: nobody overtakes it.
+
+The engine's part, after the runner executed a SchedulerOutput: for each scheduled seq,
+seq.num_computed_tokens += num_tokens, block_manager.commit(seq); when the sequence has no
+uncomputed tokens left, append the sampled token (or call finish()).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from dataclasses import dataclass, field
+
+from churon.block_manager import BlockManager
+from churon.errors import ChuronError
+from churon.sequence import FinishReason, Sequence, SequenceStatus
+
+
+class CacheCapacityError(ChuronError, RuntimeError):
+    """A sequence cannot run even alone: the KV pool (or, without chunked prefill, the token budget) is too small."""
+
+
+@dataclass
+class ScheduledSeq:
+    """One sequence's share of a step: tokens token_ids[start : start + num_tokens] run through the model."""
+
+    seq: Sequence
+    num_tokens: int
+    start: int = field(init=False)  # seq.num_computed_tokens when scheduled: position of the first token
+    sample: bool = field(init=False)  # this step computes the last uncomputed token: sample from its logits
+
+    def __post_init__(self):
+        self.start = self.seq.num_computed_tokens
+        self.sample = self.start + self.num_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)  # running ones oldest first, then admitted ones
+    preempted: list[Sequence] = field(default_factory=list)  # sent back to WAITING this step
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        enable_chunked_prefill: bool = True,
+    ):
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        if max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.waiting: deque[Sequence] = deque()  # FCFS; preempted sequences go back to the front
+        self.running: list[Sequence] = []  # sorted by seq_id (arrival order)
+        self._unfinished: dict[int, Sequence] = {}
+        self.num_preemptions = 0
+
+    # -- queries -----------------------------------------------------------------------
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._unfinished)
+
+    def get(self, seq_id: int) -> Sequence | None:
+        """The unfinished sequence with this id, or None."""
+        return self._unfinished.get(seq_id)
+
+    def can_ever_fit(self, num_tokens: int, num_prompt_tokens: int | None = None) -> bool:
+        """Whether a sequence growing to num_tokens tokens (prompt + the most it may generate)
+        can run alone: its blocks fit in the whole pool, and without chunked prefill its
+        prompt (num_prompt_tokens, default num_tokens) fits the token budget. The engine
+        rejects requests for which this is False; schedule() raises CacheCapacityError on them.
+        """
+        if num_tokens < 1:
+            return False
+        if self.block_manager.num_blocks_for(num_tokens) > self.block_manager.num_blocks:
+            return False
+        prompt = num_tokens if num_prompt_tokens is None else num_prompt_tokens
+        return self.enable_chunked_prefill or prompt <= self.max_num_batched_tokens
+
+    # -- request life cycle ------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence (WAITING, holding no blocks) at the back of the waiting queue."""
+        if seq.seq_id in self._unfinished:
+            raise ValueError(f"sequence {seq.seq_id} was added twice")
+        if seq.status is not SequenceStatus.WAITING or seq.block_table:
+            raise ValueError(f"only a new waiting sequence can be added, got {seq!r}")
+        self._unfinished[seq.seq_id] = seq
+        self.waiting.append(seq)
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """Mark seq finished, give its blocks back and drop it from the queues."""
+        if self._unfinished.pop(seq.seq_id, None) is None:
+            raise ValueError(f"sequence {seq.seq_id} is not scheduled here (unknown or already finished)")
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+
+    def abort(self, seq_id: int) -> bool:
+        """Finish a waiting or running sequence now with reason "abort". False if unknown or finished."""
+        seq = self._unfinished.get(seq_id)
+        if seq is None:
+            return False
+        self.finish(seq, "abort")
+        return True
+
+    # -- scheduling --------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        bm = self.block_manager
+
+        # 1. running sequences, oldest first
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_uncomputed_tokens, budget)
+            if n <= 0:  # the engine has not appended its sampled token (nor finished it): nothing to run
+                i += 1
+                continue
+            while not bm.allocate(seq, n):
+                victim = self.running[-1]
+                if victim is seq and i == 0:
+                    raise CacheCapacityError(
+                        f"sequence {seq.seq_id} needs {bm.num_blocks_for(seq.num_computed_tokens + n)} KV blocks"
+                        f" of {bm.block_size} tokens but the pool has {bm.num_blocks}; it can never run"
+                        " (check requests with Scheduler.can_ever_fit)"
+                    )
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            else:
+                out.scheduled.append(ScheduledSeq(seq, n))
+                budget -= n
+                i += 1
+
+        # 2. waiting sequences, first come first served
+        if out.preempted:
+            return out
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            remaining = seq.num_tokens - bm.num_cached_prefix_tokens(seq)
+            n = min(remaining, budget)
+            if n < remaining and not self.enable_chunked_prefill:
+                if remaining <= self.max_num_batched_tokens:
+                    break  # runs whole in a later step
+                if seq.num_output_tokens == 0:
+                    raise CacheCapacityError(
+                        f"the prompt of sequence {seq.seq_id} has {seq.num_tokens} tokens, more than"
+                        f" max_num_batched_tokens={self.max_num_batched_tokens}, and chunked prefill is off;"
+                        " it can never run (check requests with Scheduler.can_ever_fit)"
+                    )
+                if budget < self.max_num_batched_tokens:
+                    break
+                # a preempted sequence grown past the budget: its recomputation is the one case
+                # chunked even without chunked prefill (the only way it can ever resume)
+            if not bm.allocate(seq, n):
+                if not self.running and bm.num_used_blocks == 0:
+                    raise CacheCapacityError(
+                        f"sequence {seq.seq_id} ({seq.num_tokens} tokens) cannot get"
+                        f" {bm.num_blocks_for(seq.num_computed_tokens + n)} KV blocks from an empty pool of"
+                        f" {bm.num_blocks}; it can never run (check requests with Scheduler.can_ever_fit)"
+                    )
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            bisect.insort(self.running, seq, key=lambda s: s.seq_id)
+            out.scheduled.append(ScheduledSeq(seq, n))
+            budget -= n
+        return out
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)  # also sets num_computed_tokens = 0: recompute everything
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq)
+        self.num_preemptions += 1

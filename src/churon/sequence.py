@@ -1,0 +1,105 @@
+"""Sequence: one request's tokens and its place in the engine (waiting, running, finished).
+
+A sequence is the unit the scheduler and the block manager work on. Its token_ids are the
+prompt followed by the tokens generated so far; num_computed_tokens of them have their keys
+and values in the KV cache (the blocks listed in block_table). The tokens still to run
+through the model are token_ids[num_computed_tokens:]:
+
+    prefill   many uncomputed tokens (the prompt, in one step or in chunks)
+    decode    one uncomputed token (the one sampled last step)
+
+After a preemption the sequence gives its blocks back and starts over: num_computed_tokens
+is 0 again and the next prefill recomputes prompt and generated tokens together.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from enum import Enum, auto
+from typing import Iterable, Literal
+
+from churon.sampling import SamplingParams
+
+FinishReason = Literal["stop", "length", "abort"]
+
+_next_seq_id = itertools.count()
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()  # queued, holds no KV blocks (new, or preempted and waiting to recompute)
+    RUNNING = auto()  # holds KV blocks; scheduled step after step
+    FINISHED = auto()  # done (stop, length or abort); blocks given back
+
+
+class Sequence:
+    """One request's tokens and cache bookkeeping.
+
+    seq_id: unique; increasing ids mean later arrival (the scheduler's preemption order).
+        Taken from a process-wide counter unless the caller gives one.
+    block_table: KV block ids; block i holds tokens [i * block_size, (i + 1) * block_size).
+    num_computed_tokens: leading tokens whose K/V are in the cache. The engine adds each
+        step's scheduled token count after the runner wrote them.
+    num_cached_tokens: how many leading tokens the last allocation took from the prefix
+        cache (metrics; the block manager sets it).
+    block_hashes: chained hashes of the sequence's full blocks, a memo the block manager
+        extends lazily (a pure function of token_ids, so preemption leaves it valid).
+    """
+
+    def __init__(
+        self,
+        prompt_token_ids: Iterable[int],
+        params: SamplingParams | None = None,
+        *,
+        seq_id: int | None = None,
+        arrival_time: float | None = None,
+    ):
+        self.prompt_token_ids: list[int] = [int(t) for t in prompt_token_ids]
+        if not self.prompt_token_ids:
+            raise ValueError("a sequence needs at least one prompt token")
+        self.seq_id: int = next(_next_seq_id) if seq_id is None else int(seq_id)
+        self.token_ids: list[int] = list(self.prompt_token_ids)
+        self.num_prompt_tokens: int = len(self.prompt_token_ids)
+        self.params: SamplingParams = params if params is not None else SamplingParams()
+        self.arrival_time: float = time.monotonic() if arrival_time is None else arrival_time
+        self.status: SequenceStatus = SequenceStatus.WAITING
+        self.finish_reason: FinishReason | None = None
+        self.num_computed_tokens: int = 0
+        self.num_cached_tokens: int = 0
+        self.block_table: list[int] = []
+        self.block_hashes: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence(seq_id={self.seq_id}, status={self.status.name}, tokens={self.num_tokens}"
+            f" (prompt {self.num_prompt_tokens}), computed={self.num_computed_tokens}, blocks={self.block_table})"
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        """Tokens still to run through the model: the prompt (rest) in prefill, 1 in decode,
+        everything after a preemption."""
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        """Add a generated token (its K/V get computed in the next step)."""
+        self.token_ids.append(int(token_id))
