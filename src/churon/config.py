@@ -71,3 +71,37 @@ def default_threads() -> int:
         pass
     affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, min(len(cores) or affinity, affinity))
+
+
+@dataclass
+class EngineConfig:
+    """Runtime knobs of the serving engine."""
+
+    block_size: int = 16  # tokens per KV-cache block
+    kv_cache_memory: int | None = None  # bytes for the KV cache; None: kv_cache_fraction of available memory
+    kv_cache_fraction: float = 0.25
+    kv_dtype: str = "auto"  # "auto" (the model's activation dtype), "float32", "bfloat16", "float16"
+    max_num_seqs: int = 32  # sequences in one step
+    max_num_batched_tokens: int = 2048  # tokens in one step (prompt chunks + decodes)
+    max_model_len: int | None = None  # cap on a sequence's length (default: the model's context length)
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"invalid engine setting {name}={value!r}: must be an integer >= 1")
+        if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
+            raise ValueError(f"invalid engine setting kv_cache_memory={self.kv_cache_memory!r}: must be > 0 bytes")
+        if not 0 < self.kv_cache_fraction <= 1:
+            raise ValueError(f"invalid engine setting kv_cache_fraction={self.kv_cache_fraction!r}: must be in (0, 1]")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"invalid engine setting max_model_len={self.max_model_len!r}: must be >= 2")
+        if self.kv_dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"invalid engine setting kv_dtype={self.kv_dtype!r}: must be auto, float32, bfloat16 or float16")
+
+    def kv_torch_dtype(self, model_dtype):
+        import torch
+
+        return model_dtype if self.kv_dtype == "auto" else getattr(torch, self.kv_dtype)

@@ -1,9 +1,9 @@
-"""KV cache: the keys and values of every past token, per layer.
+"""KV cache memory: the keys and values of every cached token, in fixed-size blocks.
 
-This is the contiguous per-sequence cache: one preallocated [max_tokens, kv_heads, head_dim]
-buffer per layer for K and for V, written in place as tokens arrive. Token-major, so the whole
-buffer is one block of a paged cache ([blocks, block_size, kv_heads, head_dim]) and the
-block-table attention kernels read it unchanged.
+One preallocated tensor per K and V: [layers, num_blocks, block_size, kv_heads, head_dim].
+A token's slot is block_id * block_size + offset; a sequence finds its tokens through its
+block table (which blocks, in order). The block manager decides which blocks a sequence
+owns; this module only holds the memory.
 """
 
 from __future__ import annotations
@@ -12,17 +12,41 @@ import torch
 
 from churon.config import ModelConfig
 
+KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-class KVCache:
-    def __init__(self, config: ModelConfig, max_tokens: int, dtype: torch.dtype):
-        shape = (config.num_layers, max_tokens, config.num_kv_heads, config.head_dim)
+
+class PagedKVCache:
+    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int = 16, dtype: torch.dtype = torch.float32):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"a KV cache needs at least one block of at least one token, got {num_blocks} x {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.dtype = dtype
+        shape = (config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
         self.k = torch.zeros(shape, dtype=dtype)
         self.v = torch.zeros(shape, dtype=dtype)
-        self.max_tokens = max_tokens
+        # the same memory indexed by slot: [layers, num_blocks * block_size, kv_heads, head_dim]
+        self.k_slots = self.k.view(config.num_layers, num_blocks * block_size, config.num_kv_heads, config.head_dim)
+        self.v_slots = self.v.view(config.num_layers, num_blocks * block_size, config.num_kv_heads, config.head_dim)
 
-    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k, v ([tokens, kv_heads, head_dim]) at positions start.. and return all keys and values so far."""
-        end = start + k.shape[0]
-        self.k[layer, start:end] = k
-        self.v[layer, start:end] = v
-        return self.k[layer, :end], self.v[layer, :end]
+    @staticmethod
+    def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+        return config.kv_bytes_per_token(dtype.itemsize) * block_size
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+    def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k, v ([tokens, kv_heads, head_dim]) at their slots."""
+        self.k_slots[layer].index_copy_(0, slot_mapping, k.to(self.dtype))
+        self.v_slots[layer].index_copy_(0, slot_mapping, v.to(self.dtype))
+
+
+class SequenceKVCache(PagedKVCache):
+    """A cache for one sequence whose block table is simply 0, 1, 2, ... (tests, evaluation, offline use)."""
+
+    def __init__(self, config: ModelConfig, max_tokens: int, block_size: int = 16, dtype: torch.dtype = torch.float32):
+        super().__init__(config, -(-max_tokens // block_size), block_size, dtype)
+        self.max_tokens = max_tokens
+        self.block_table = list(range(self.num_blocks))

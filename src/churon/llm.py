@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import os
+from dataclasses import fields
 from typing import Iterator, Sequence
 
 import torch
-from tqdm import tqdm
 
-from churon.config import default_threads
+from churon.config import EngineConfig, default_threads
 from churon.engine import CompletionOutput, Delta, LLMEngine
 from churon.loader import load_model
 from churon.registry import DEFAULT_MODEL
@@ -26,14 +26,26 @@ class LLM:
     threads: torch intra-op threads; default the number of physical cores.
     """
 
-    def __init__(self, model: str | os.PathLike = DEFAULT_MODEL, *, dtype: str = "float32", threads: int | None = None):
+    def __init__(
+        self,
+        model: str | os.PathLike = DEFAULT_MODEL,
+        *,
+        dtype: str = "float32",
+        threads: int | None = None,
+        **engine_options,
+    ):
+        """engine_options: EngineConfig fields (kv_cache_memory, max_num_seqs, block_size, ...)."""
         if threads is not None and (not isinstance(threads, int) or threads < 1):
             raise ValueError(f"threads={threads!r}: must be an integer >= 1")
+        unknown = set(engine_options) - {f.name for f in fields(EngineConfig)}
+        if unknown:
+            raise ValueError(f"unknown LLM option(s) {sorted(unknown)}; engine options are {[f.name for f in fields(EngineConfig)]}")
+        engine_config = EngineConfig(**engine_options)
         self.threads = threads or default_threads()
         torch.set_num_threads(self.threads)
         self.model, self.tokenizer, self.source = load_model(model, dtype=dtype)
         self.config = self.model.config
-        self.engine = LLMEngine(self.model, self.tokenizer)
+        self.engine = LLMEngine(self.model, self.tokenizer, engine_config)
 
     def _prompt_ids(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -47,17 +59,23 @@ class LLM:
         return self.tokenizer.encode(text, add_bos=False)
 
     def generate(
-        self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | None = None, use_tqdm: bool = False
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
     ) -> list[CompletionOutput]:
-        """One output per prompt. prompts: a string, a list of strings, or a list of token-id lists."""
+        """One output per prompt, all run together in continuous batches.
+
+        prompts: a string, a list of strings, or a list of token-id lists. params: one for all, or one per prompt.
+        """
         params = params or SamplingParams()
         if isinstance(prompts, str) or (len(prompts) and isinstance(prompts[0], int)):
             prompts = [prompts]
         ids = [self._prompt_ids(p) for p in prompts]
-        return [self.engine.generate(p, params) for p in tqdm(ids, desc="generating", disable=not use_tqdm)]
+        return self.engine.generate(ids, params, use_tqdm=use_tqdm and len(ids) > 1)
 
     def chat(self, messages: Sequence[Message], params: SamplingParams | None = None) -> CompletionOutput:
-        return self.engine.generate(self.chat_prompt_ids(messages), params or SamplingParams())
+        return self.engine.generate([self.chat_prompt_ids(messages)], params or SamplingParams())[0]
 
     def stream_deltas(self, prompt_ids: Sequence[int], params: SamplingParams | None = None) -> Iterator[Delta]:
         return self.engine.stream(prompt_ids, params or SamplingParams())

@@ -13,7 +13,8 @@ from torch import nn
 
 from churon.config import ModelConfig
 from churon.errors import UnsupportedModelError
-from churon.kv_cache import KVCache
+from churon.kv_cache import PagedKVCache
+from churon.model.batch import ForwardBatch
 
 
 class RMSNorm(nn.Module):
@@ -68,8 +69,8 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(self, x: torch.Tensor, positions: slice) -> torch.Tensor:
-        """x: [tokens, heads, head_dim]."""
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x: [tokens, heads, head_dim]; positions: int64 [tokens]."""
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
         half = x.shape[-1] // 2
@@ -103,7 +104,7 @@ class Attention(nn.Module):
         self.rope = rope
         self.scale = 1.0 / math.sqrt(config.head_dim)
 
-    def forward(self, x: torch.Tensor, start: int, cache: KVCache) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: PagedKVCache) -> torch.Tensor:
         n = x.shape[0]
         qkv = F.linear(x, self.qkv_proj, self.qkv_bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -113,21 +114,35 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q = self.q_norm(q)
             k = self.k_norm(k)
-        positions = slice(start, start + n)
-        q = self.rope(q, positions)
-        k = self.rope(k, positions)
-        keys, values = cache.write(self.layer, start, k, v)  # [start + n, kv_heads, head_dim]
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1),
-            keys.transpose(0, 1),
-            values.transpose(0, 1),
-            attn_mask=_causal_mask(n, start, x.device) if n > 1 and start > 0 else None,
-            is_causal=n > 1 and start == 0,
-            scale=self.scale,
-            enable_gqa=self.num_heads != self.num_kv_heads,
-        )
-        out = out.transpose(0, 1).reshape(n, self.q_size)
-        return F.linear(out, self.o_proj)
+        q = self.rope(q, batch.positions)
+        k = self.rope(k, batch.positions)
+        cache.write(self.layer, batch.slot_mapping, k, v)
+        out = paged_attention(q, cache.k_slots[self.layer], cache.v_slots[self.layer], batch, self.scale)
+        return F.linear(out.reshape(n, self.q_size).to(x.dtype), self.o_proj)
+
+
+def paged_attention(q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor, batch: ForwardBatch, scale: float):
+    """Causal attention of each sequence's new tokens over all its keys, read through its slots.
+
+    q: [tokens, heads, head_dim]; k_slots, v_slots: [slots, kv_heads, head_dim]. Returns [tokens, heads, head_dim].
+    """
+    out = torch.empty_like(q)
+    heads, kv_heads = q.shape[1], k_slots.shape[1]
+    for i, ctx in enumerate(batch.context_lens):
+        a, b = batch.query_start[i], batch.query_start[i + 1]
+        slots = batch.context_slots[i]
+        keys = k_slots[slots].to(q.dtype).transpose(0, 1)  # [kv_heads, ctx, head_dim]
+        values = v_slots[slots].to(q.dtype).transpose(0, 1)
+        n = b - a
+        out[a:b] = F.scaled_dot_product_attention(
+            q[a:b].transpose(0, 1),
+            keys,
+            values,
+            attn_mask=_causal_mask(n, ctx - n, q.device) if n > 1 else None,
+            scale=scale,
+            enable_gqa=heads != kv_heads,
+        ).transpose(0, 1)
+    return out
 
 
 def _causal_mask(n: int, start: int, device: torch.device) -> torch.Tensor:

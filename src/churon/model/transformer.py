@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from churon.config import ModelConfig
-from churon.kv_cache import KVCache
+from churon.kv_cache import PagedKVCache, SequenceKVCache
+from churon.model.batch import ForwardBatch, SequenceChunk
 from churon.model.layers import MLP, Attention, RMSNorm, RotaryEmbedding, rope_inv_freq
 
 
@@ -51,8 +52,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(weights[p + "post_attention_layernorm.weight"], config.rms_norm_eps)
         self.mlp = MLP(layer, weights)
 
-    def forward(self, x: torch.Tensor, start: int, cache: KVCache) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), start, cache)
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: PagedKVCache) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), batch, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -74,18 +75,34 @@ class Transformer(nn.Module):
         lm_head = w["embed_tokens.weight"] if config.tie_word_embeddings else w["lm_head.weight"]
         self.lm_head = nn.Parameter(lm_head, requires_grad=False)
 
-    def new_cache(self, max_tokens: int | None = None) -> KVCache:
-        return KVCache(self.config, max_tokens or self.config.context_length, self.dtype)
+    def weight_bytes(self) -> int:
+        seen = {}
+        for p in self.parameters():
+            seen[p.data_ptr()] = p.nbytes  # the tied lm_head shares the embedding's memory
+        return sum(seen.values())
+
+    def new_cache(self, max_tokens: int | None = None) -> SequenceKVCache:
+        """A KV cache for one sequence of up to max_tokens (default: the context length)."""
+        return SequenceKVCache(self.config, max_tokens or self.config.context_length, dtype=self.dtype)
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, start: int, cache: KVCache, all_logits: bool = False) -> torch.Tensor:
-        """Run tokens ([n] ids at positions start..start+n-1) and return float32 logits.
+    def forward(self, tokens: torch.Tensor, start: int, cache: SequenceKVCache, all_logits: bool = False) -> torch.Tensor:
+        """One sequence: run tokens ([n] ids at positions start..start+n-1) and return float32 logits.
 
         Only the last position's logits ([1, vocab]) unless all_logits ([n, vocab]).
         """
-        x = F.embedding(tokens, self.embed_tokens)
+        end = start + tokens.shape[0]
+        if end > cache.max_tokens:
+            raise ValueError(f"positions up to {end} do not fit a cache of {cache.max_tokens} tokens")
+        token_ids = [0] * start + tokens.tolist()  # ids before start are in the cache already
+        chunk = SequenceChunk(token_ids, start, cache.block_table, all_logits=all_logits)
+        return self.forward_batch(ForwardBatch.build([chunk], cache.block_size), cache)
+
+    @torch.inference_mode()
+    def forward_batch(self, batch: ForwardBatch, cache: PagedKVCache) -> torch.Tensor:
+        """Run a step of many sequences; float32 logits of the rows batch.logits_indices names."""
+        x = F.embedding(batch.input_ids, self.embed_tokens)
         for layer in self.layers:
-            x = layer(x, start, cache)
-        if not all_logits:
-            x = x[-1:]
+            x = layer(x, batch, cache)
+        x = x[batch.logits_indices]
         return F.linear(self.norm(x), self.lm_head).float()

@@ -1,0 +1,85 @@
+"""ForwardBatch: the tensors one model step needs for many sequences at once.
+
+Tokens of all sequences are laid end to end ([tokens] "flat" layout). For each token: its
+id, its position in its sequence and the KV-cache slot its keys and values go to. For each
+sequence: where its tokens start in the flat layout, how many keys its attention sees, and
+its block table. logits_indices says which tokens' logits the step returns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+
+@dataclass
+class SequenceChunk:
+    """Tokens token_ids[start:] of a sequence, run through the model this step."""
+
+    token_ids: Sequence[int]  # only token_ids[start:] are run; earlier ones are already in the cache
+    start: int
+    block_table: Sequence[int]
+    need_logits: bool = True  # logits of the last token
+    all_logits: bool = False  # logits of every token (evaluation)
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor  # int64 [tokens]
+    positions: torch.Tensor  # int64 [tokens]
+    slot_mapping: torch.Tensor  # int64 [tokens]: block_table[pos // block_size] * block_size + pos % block_size
+    query_start: list[int]  # [seqs + 1]: sequence i's tokens are flat rows query_start[i]:query_start[i + 1]
+    context_lens: list[int]  # [seqs]: keys the sequence's last token attends to (start + new tokens)
+    context_slots: list[torch.Tensor]  # [seqs] int64 [context_len]: the slots of all of a sequence's keys, in order
+    block_tables: torch.Tensor  # int32 [seqs, max_blocks] (padded with 0), for block-table kernels
+    logits_indices: torch.Tensor  # int64: flat rows whose logits are returned
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.context_lens)
+
+    @classmethod
+    def build(cls, chunks: Sequence[SequenceChunk], block_size: int) -> "ForwardBatch":
+        ids: list[int] = []
+        positions: list[int] = []
+        query_start = [0]
+        context_lens: list[int] = []
+        context_slots: list[torch.Tensor] = []
+        logits_indices: list[int] = []
+        max_blocks = max(len(c.block_table) for c in chunks)
+        block_tables = torch.zeros(len(chunks), max_blocks, dtype=torch.int32)
+        for i, c in enumerate(chunks):
+            end = len(c.token_ids)
+            if not 0 <= c.start < end:
+                raise ValueError(f"sequence chunk {i}: start {c.start} outside its {end} tokens")
+            if -(-end // block_size) > len(c.block_table):
+                raise ValueError(f"sequence chunk {i}: {end} tokens need more than its {len(c.block_table)} blocks")
+            ids.extend(c.token_ids[c.start :])
+            positions.extend(range(c.start, end))
+            table = torch.as_tensor(list(c.block_table), dtype=torch.int64)
+            block_tables[i, : len(table)] = table.to(torch.int32)
+            all_positions = torch.arange(end)
+            context_slots.append(table[all_positions // block_size] * block_size + all_positions % block_size)
+            context_lens.append(end)
+            if c.all_logits:
+                logits_indices.extend(range(query_start[-1], query_start[-1] + end - c.start))
+            elif c.need_logits:
+                logits_indices.append(query_start[-1] + end - c.start - 1)
+            query_start.append(query_start[-1] + end - c.start)
+        slot_mapping = torch.cat([s[c.start :] for s, c in zip(context_slots, chunks)])
+        return cls(
+            input_ids=torch.tensor(ids, dtype=torch.int64),
+            positions=torch.tensor(positions, dtype=torch.int64),
+            slot_mapping=slot_mapping,
+            query_start=query_start,
+            context_lens=context_lens,
+            context_slots=context_slots,
+            block_tables=block_tables,
+            logits_indices=torch.tensor(logits_indices, dtype=torch.int64),
+        )

@@ -1,0 +1,28 @@
+"""ModelRunner: executes what the scheduler decided, on the model and the KV-cache memory.
+
+scheduled sequences -> ForwardBatch (positions, slot mapping, block tables) -> model -> logits
+"""
+
+from __future__ import annotations
+
+import torch
+
+from churon.kv_cache import PagedKVCache
+from churon.model.batch import ForwardBatch, SequenceChunk
+from churon.model.transformer import Transformer
+from churon.scheduler import ScheduledSeq
+
+
+class ModelRunner:
+    def __init__(self, model: Transformer, cache: PagedKVCache):
+        self.model = model
+        self.cache = cache
+
+    def execute(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
+        """Run one step; float32 logits [sequences that sample, vocab], in the order of `scheduled`."""
+        chunks = [
+            SequenceChunk(s.seq.token_ids[: s.start + s.num_tokens], s.start, s.seq.block_table, need_logits=s.sample)
+            for s in scheduled
+        ]
+        batch = ForwardBatch.build(chunks, self.cache.block_size)
+        return self.model.forward_batch(batch, self.cache)
