@@ -1,0 +1,108 @@
+"""AsyncLLMEngine: the LLMEngine for asyncio callers (the HTTP server).
+
+One background thread drives engine.step() while there is work, so the event loop never
+waits on the model; each request's deltas reach its coroutine through an asyncio.Queue.
+A caller that stops listening (a client that disconnected) aborts its request, which frees
+its KV blocks at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import AsyncIterator, Sequence
+
+from churon.engine import Delta, LLMEngine
+from churon.sampling import SamplingParams
+
+
+class AsyncLLMEngine:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._lock = threading.Lock()  # guards the engine: add_request/abort from the loop, step from the thread
+        self._work = threading.Condition(self._lock)
+        self._queues: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="churon-engine", daemon=True)
+        self._thread.start()
+
+    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams | None = None) -> AsyncIterator[Delta]:
+        """The request's deltas as they are produced; the last has output.finish_reason set.
+
+        Bad input (an over-long prompt, bad token ids) raises here, before anything is queued.
+        """
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        with self._work:
+            if self._closed:
+                raise RuntimeError("the engine is shut down")
+            request_id = self.engine.add_request(prompt_ids, params)
+            self._queues[request_id] = (loop, queue)
+            self._work.notify()
+        finished = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.output.finish_reason is not None:
+                    finished = True
+                    return
+        finally:
+            if not finished:  # cancelled, or the consumer stopped early
+                self.abort(request_id)
+
+    def abort(self, request_id: int) -> bool:
+        with self._work:
+            self._queues.pop(request_id, None)
+            return self.engine.abort(request_id)
+
+    def stats(self) -> dict[str, float]:
+        """A consistent snapshot of the engine's counters (for /metrics)."""
+        with self._lock:
+            e = self.engine
+            bm = e.block_manager
+            return {
+                "running": e.scheduler.num_running,
+                "waiting": e.scheduler.num_waiting,
+                "kv_cache_usage": bm.usage,
+                "prefix_cache_hit_rate": bm.hit_rate,
+                "prefix_cache_hit_blocks": bm.num_hit_blocks,
+                "prefix_cache_miss_blocks": bm.num_miss_blocks,
+                "preemptions": e.scheduler.num_preemptions,
+            }
+
+    def shutdown(self) -> None:
+        with self._work:
+            self._closed = True
+            self._work.notify()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            with self._work:
+                while not self._closed and not self.engine.has_unfinished():
+                    self._work.wait()
+                if self._closed:
+                    return
+                try:
+                    deltas = self.engine.step()
+                    error = None
+                except Exception as e:  # a failed step fails the requests in it, not the server
+                    deltas, error = [], e
+                targets = dict(self._queues)
+                if error is not None:
+                    for request_id in list(targets):
+                        self.engine.abort(request_id)
+                        self._queues.pop(request_id, None)
+                for d in deltas:
+                    if d.output.finish_reason is not None:
+                        self._queues.pop(d.request_id, None)
+            if error is not None:
+                for loop, queue in targets.values():
+                    loop.call_soon_threadsafe(queue.put_nowait, error)
+            for d in deltas:
+                target = targets.get(d.request_id)
+                if target is not None:
+                    target[0].call_soon_threadsafe(target[1].put_nowait, d)
