@@ -23,7 +23,7 @@ def assert_close_relative(actual: torch.Tensor, expected: torch.Tensor, rtol: fl
 
 def compare_prefill_and_decode(model_path, reference) -> None:
     """Prompt logits at every position, then 20 greedy decode steps through churon's KV cache."""
-    transformer, _, _ = load_model(model_path)
+    transformer, _, _ = load_model(model_path, kernels="reference")
     cache = transformer.new_cache(len(PROMPT) + DECODE_STEPS)
     tokens = list(PROMPT)
     with torch.no_grad():
@@ -57,7 +57,7 @@ def test_gguf_matches_transformers_on_the_stored_weights(hf_dir, qtype, tmp_path
 def test_quantized_gguf_really_differs_from_the_fp32_model(hf_dir, tmp_path):
     """Guards the test above: the Q4_0 reference must not silently be the unquantized model."""
     path = write_gguf(hf_dir, tmp_path / "model-Q4_0.gguf", "Q4_0")
-    transformer, _, _ = load_model(path)
+    transformer, _, _ = load_model(path, kernels="reference")
     with torch.no_grad():
         fp32 = reference_model(hf_dir)(torch.tensor([PROMPT])).logits[0]
     actual = transformer(torch.tensor(PROMPT), 0, transformer.new_cache(), all_logits=True)
@@ -92,7 +92,7 @@ def test_transformers_4_style_config(tmp_path):
 
 def test_bf16_activations_stay_close(hf_dir):
     """bf16 is a speed/memory option, not exact: its logits stay within a few percent."""
-    transformer, _, _ = load_model(hf_dir, dtype="bfloat16")
+    transformer, _, _ = load_model(hf_dir, dtype="bfloat16", kernels="reference")
     with torch.no_grad():
         expected = reference_model(hf_dir)(torch.tensor([PROMPT])).logits[0]
     actual = transformer(torch.tensor(PROMPT), 0, transformer.new_cache(), all_logits=True)

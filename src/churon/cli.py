@@ -25,7 +25,9 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable); not printed")
     p.add_argument("--system", default=None, help="system message for chat-templated models")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: physical cores)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and activations")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="activations (bfloat16: reference kernels)")
+    p.add_argument("--kernels", default="auto", choices=["auto", "native", "reference"],
+                   help="native CPU kernels, or the plain PyTorch reference (default: native when built)")
 
 
 def _sampling_params(args):
@@ -46,7 +48,7 @@ def _sampling_params(args):
 def _load(args):
     from churon.llm import LLM
 
-    return LLM(args.model or DEFAULT_MODEL, dtype=args.dtype, threads=args.threads)
+    return LLM(args.model or DEFAULT_MODEL, dtype=args.dtype, kernels=args.kernels, threads=args.threads)
 
 
 def _is_model(text: str) -> bool:
@@ -184,7 +186,9 @@ def _table(header: list[str], rows: list[tuple]) -> None:
 
 
 def cmd_inspect(args) -> int:
+    from churon.config import EngineConfig
     from churon.loader import open_model
+    from churon.memory import plan_memory
 
     m = open_model(args.model, pull=True)
     c = m.config
@@ -232,10 +236,31 @@ def cmd_inspect(args) -> int:
     contexts = [2048, 8192, 32768]
     rows = [(f"{ctx // 1024}k" + ("" if ctx <= c.context_length else " (> model context)"),) + tuple(_bytes(per_token * ctx * s) for s in (1, 8, 32)) for ctx in contexts]
     _table(["context", "1 sequence", "8 sequences", "32 sequences"], rows)
+    plan = plan_memory(c, weight_bytes, EngineConfig(), c.context_length, elem)
+    print(f"\nmemory plan on this machine (default engine settings): {plan.describe(c.context_length)}")
+    _print_native_layouts(m)
     if args.tensors:
         print()
         _table(["tensor", "shape", "type", "bytes"], [(t.name, "x".join(map(str, t.shape)), t.dtype, t.n_bytes) for t in tensors])
     return 0
+
+
+def _print_native_layouts(m) -> None:
+    """How the native kernels hold each weight type (repacked at load time), from one tensor of each."""
+    from churon import kernels
+    from churon.kernels.backend import NativeBackend
+
+    if not kernels.native_available():
+        print(f"\nnative kernels: not available ({kernels.reason}); the PyTorch reference path runs")
+        return
+    backend = NativeBackend()
+    weights = {}
+    for name, w in m.load_weights().items():
+        if len(w.shape) == 2:
+            weights.setdefault(getattr(w, "qtype", None) or str(w.dtype), w)
+    print(f"\nnative kernels ({kernels.cpu.isa()}), weight layout at run time:")
+    for kind, w in weights.items():
+        print(f"  {getattr(kind, 'name', kind):<8} {backend.matrix(w).layout}")
 
 
 def build_parser() -> argparse.ArgumentParser:

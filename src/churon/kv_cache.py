@@ -23,8 +23,9 @@ class PagedKVCache:
         self.block_size = block_size
         self.dtype = dtype
         shape = (config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype)
-        self.v = torch.zeros(shape, dtype=dtype)
+        # empty, not zeros: a slot is always written before it is read, and untouched pages cost no memory
+        self.k = torch.empty(shape, dtype=dtype)
+        self.v = torch.empty(shape, dtype=dtype)
         # the same memory indexed by slot: [layers, num_blocks * block_size, kv_heads, head_dim]
         self.k_slots = self.k.view(config.num_layers, num_blocks * block_size, config.num_kv_heads, config.head_dim)
         self.v_slots = self.v.view(config.num_layers, num_blocks * block_size, config.num_kv_heads, config.head_dim)
@@ -39,8 +40,8 @@ class PagedKVCache:
 
     def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v ([tokens, kv_heads, head_dim]) at their slots."""
-        self.k_slots[layer].index_copy_(0, slot_mapping, k.to(self.dtype))
-        self.v_slots[layer].index_copy_(0, slot_mapping, v.to(self.dtype))
+        self.k_slots[layer].index_copy_(0, slot_mapping, k if k.dtype == self.dtype else k.to(self.dtype))
+        self.v_slots[layer].index_copy_(0, slot_mapping, v if v.dtype == self.dtype else v.to(self.dtype))
 
 
 class SequenceKVCache(PagedKVCache):

@@ -8,6 +8,7 @@ from typing import Iterator, Sequence
 
 import torch
 
+from churon import kernels as native_kernels
 from churon.config import EngineConfig, default_threads
 from churon.engine import CompletionOutput, Delta, LLMEngine
 from churon.loader import load_model
@@ -22,7 +23,7 @@ class LLM:
     """llm = LLM("smollm2-135m"); llm.generate(["Hello"], SamplingParams(temperature=0))
 
     model: a registry name (pulled on first use), a .gguf file or a Hugging Face directory.
-    dtype: "float32" (exact reference arithmetic) or "bfloat16" (half the weight memory).
+    dtype: "float32" or "bfloat16" (reference kernels only).
     threads: torch intra-op threads; default the number of physical cores.
     """
 
@@ -31,10 +32,14 @@ class LLM:
         model: str | os.PathLike = DEFAULT_MODEL,
         *,
         dtype: str = "float32",
+        kernels: str = "auto",
         threads: int | None = None,
         **engine_options,
     ):
-        """engine_options: EngineConfig fields (kv_cache_memory, max_num_seqs, block_size, ...)."""
+        """kernels: "native" (churon's CPU kernels), "reference" (plain PyTorch, exact), "auto" (native when built).
+
+        engine_options: EngineConfig fields (kv_cache_memory, max_num_seqs, block_size, ...).
+        """
         if threads is not None and (not isinstance(threads, int) or threads < 1):
             raise ValueError(f"threads={threads!r}: must be an integer >= 1")
         unknown = set(engine_options) - {f.name for f in fields(EngineConfig)}
@@ -43,7 +48,12 @@ class LLM:
         engine_config = EngineConfig(**engine_options)
         self.threads = threads or default_threads()
         torch.set_num_threads(self.threads)
-        self.model, self.tokenizer, self.source = load_model(model, dtype=dtype)
+        if native_kernels.cpu is not None:
+            native_kernels.cpu.set_num_threads(self.threads)
+        self.model, self.tokenizer, self.source = load_model(model, dtype=dtype, kernels=kernels)
+        if self.model.backend.name == "native":
+            # torch only runs small glue ops here; its OpenMP threads would fight the kernels' own pool
+            torch.set_num_threads(1)
         self.config = self.model.config
         self.engine = LLMEngine(self.model, self.tokenizer, engine_config)
 

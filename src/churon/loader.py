@@ -12,6 +12,7 @@ import torch
 from churon.errors import ModelFileError
 from churon.formats.gguf import GGUFModel
 from churon.formats.hf import HFModel
+from churon.kernels.backend import make_backend
 from churon.model.transformer import Transformer, expected_weight_shapes
 from churon.registry import resolve_model
 from churon.tokenizer import Tokenizer
@@ -40,14 +41,17 @@ def check_weights(source: GGUFModel | HFModel) -> None:
 
 
 def load_model(
-    model: str | os.PathLike, dtype: str | torch.dtype = "float32", pull: bool = True
+    model: str | os.PathLike, dtype: str | torch.dtype = "float32", pull: bool = True, kernels: str = "auto"
 ) -> tuple[Transformer, Tokenizer, GGUFModel | HFModel]:
+    """kernels: "native" (churon's CPU kernels), "reference" (plain PyTorch), "auto" (native when built, float32)."""
     if isinstance(dtype, str):
         if dtype not in DTYPES:
             raise ValueError(f"dtype {dtype!r} is not supported (supported: {', '.join(DTYPES)})")
         dtype = DTYPES[dtype]
+    backend = make_backend(kernels, dtype)
     source = open_model(model, pull=pull)
     check_weights(source)
+    source.check_types()
     tokenizer = source.load_tokenizer()
-    transformer = Transformer(source.config, source.load_weights(), dtype=dtype)
+    transformer = Transformer(source.config, source.load_weights(), backend)
     return transformer, tokenizer, source

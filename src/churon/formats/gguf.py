@@ -18,7 +18,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 
 from churon.config import ModelConfig, check_architecture
 from churon.errors import ModelFileError, UnsupportedModelError
-from churon.formats.quants import dequantize
+from churon.formats.quants import SUPPORTED_TYPES
 from churon.formats.tensor_info import TensorInfo
 from churon.tokenizer import Tokenizer
 
@@ -207,6 +207,14 @@ class GGUFModel:
                 out[name] = t.shape
         return out
 
+    def check_types(self) -> None:
+        for t in self.file.tensors.values():
+            if canonical_name(t.name) is not None and t.qtype not in SUPPORTED_TYPES:
+                supported = ", ".join(q.name for q in sorted(SUPPORTED_TYPES))
+                raise UnsupportedModelError(
+                    f"{self.path}: tensor {t.name!r} has type {t.qtype.name}, which churon cannot read (supported: {supported})"
+                )
+
     def file_name(self, canonical: str) -> str:
         """The name this file uses (or would use) for a canonical tensor name."""
         if canonical in _FILE_NAMES:
@@ -214,7 +222,7 @@ class GGUFModel:
         _, layer, rest = canonical.split(".", 2)
         return f"blk.{layer}.{_BLOCK_FILE_NAMES[rest]}"
 
-    def raw_weights(self) -> dict[str, GGUFTensor]:
+    def load_weights(self) -> dict[str, GGUFTensor]:
         """Every known tensor as stored (quantized bytes), by canonical name, q/k rows in the Hugging Face layout.
 
         Un-permuting moves whole rows, so it works on quantized bytes as well as on floats.
@@ -235,16 +243,6 @@ class GGUFModel:
                 t = GGUFTensor(t.name, t.shape, t.qtype, t.data.reshape(t.shape[0], -1)[order].reshape(-1))
             out[name] = t
         return out
-
-    def load_weights(self) -> dict[str, torch.Tensor]:
-        """Every known tensor dequantized to float32, q/k rows in the Hugging Face layout."""
-        weights = {}
-        for name, t in self.raw_weights().items():
-            try:
-                weights[name] = dequantize(t.data, t.qtype, t.shape, name=t.name)
-            except (ModelFileError, UnsupportedModelError) as e:
-                raise type(e)(f"{self.path}: {e}") from e
-        return weights
 
     def load_tokenizer(self) -> Tokenizer:
         return Tokenizer.from_gguf(self.file.metadata, source=str(self.path))

@@ -123,6 +123,9 @@ class HFModel:
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
         return {_canonical_name(name): info.shape for name, (_, info) in self._index.items()}
 
+    def check_types(self) -> None:
+        """safetensors float types are all readable; integer tensors are not weights churon knows."""
+
     def file_name(self, canonical: str) -> str:
         return canonical if canonical in self._index else "model." + canonical
 

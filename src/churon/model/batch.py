@@ -35,6 +35,10 @@ class ForwardBatch:
     context_slots: list[torch.Tensor]  # [seqs] int64 [context_len]: the slots of all of a sequence's keys, in order
     block_tables: torch.Tensor  # int32 [seqs, max_blocks] (padded with 0), for block-table kernels
     logits_indices: torch.Tensor  # int64: flat rows whose logits are returned
+    # per token, for kernels that attend each query token on its own: its sequence's block table
+    # and how many keys it sees (its position + 1)
+    token_block_tables: torch.Tensor  # int32 [tokens, max_blocks]
+    token_context_lens: torch.Tensor  # int32 [tokens]
 
     @property
     def num_tokens(self) -> int:
@@ -73,13 +77,17 @@ class ForwardBatch:
                 logits_indices.append(query_start[-1] + end - c.start - 1)
             query_start.append(query_start[-1] + end - c.start)
         slot_mapping = torch.cat([s[c.start :] for s, c in zip(context_slots, chunks)])
+        positions_t = torch.tensor(positions, dtype=torch.int64)
+        seq_of_token = torch.repeat_interleave(torch.arange(len(chunks)), torch.tensor(query_start).diff())
         return cls(
             input_ids=torch.tensor(ids, dtype=torch.int64),
-            positions=torch.tensor(positions, dtype=torch.int64),
+            positions=positions_t,
             slot_mapping=slot_mapping,
             query_start=query_start,
             context_lens=context_lens,
             context_slots=context_slots,
             block_tables=block_tables,
             logits_indices=torch.tensor(logits_indices, dtype=torch.int64),
+            token_block_tables=block_tables[seq_of_token].contiguous(),
+            token_context_lens=(positions_t + 1).to(torch.int32),
         )

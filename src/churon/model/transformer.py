@@ -1,19 +1,20 @@
 """One decoder-only transformer; Llama, Qwen2 and Qwen3 differ only by ModelConfig flags.
 
 Weights come in as a dict with the canonical names listed by `expected_weight_shapes`
-(Hugging Face's names without the "model." prefix), whatever file format they were read from.
+(Hugging Face's names without the "model." prefix), as GGUF bytes or float tensors; the
+backend (churon.kernels.backend) turns them into what its kernels read. The forward pass
+reads top to bottom in `forward_batch`.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 from churon.config import ModelConfig
+from churon.kernels.backend import NativeBackend, RawWeight, ReferenceBackend, dense
 from churon.kv_cache import PagedKVCache, SequenceKVCache
 from churon.model.batch import ForwardBatch, SequenceChunk
-from churon.model.layers import MLP, Attention, RMSNorm, RotaryEmbedding, rope_inv_freq
+from churon.model.layers import LayerWeights, rope_inv_freq, rope_tables
 
 
 def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -43,50 +44,45 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int, weights: dict[str, torch.Tensor], rope: RotaryEmbedding):
-        super().__init__()
-        p = f"layers.{layer}."
-        self.input_layernorm = RMSNorm(weights[p + "input_layernorm.weight"], config.rms_norm_eps)
-        self.self_attn = Attention(config, layer, weights, rope)
-        self.post_attention_layernorm = RMSNorm(weights[p + "post_attention_layernorm.weight"], config.rms_norm_eps)
-        self.mlp = MLP(layer, weights)
-
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: PagedKVCache) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), batch, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
-class Transformer(nn.Module):
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32):
-        """weights: canonical name -> tensor (any float dtype; converted to `dtype`).
+class Transformer:
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: dict[str, RawWeight],
+        backend: ReferenceBackend | NativeBackend | None = None,
+    ):
+        """weights: canonical name -> GGUF tensor or float tensor.
 
         An optional "rope_freqs.weight" holds per-dimension RoPE frequency divisors (GGUF's Llama 3 scaling).
         """
-        super().__init__()
         self.config = config
-        self.dtype = dtype
+        self.backend = backend or ReferenceBackend()
+        self.dtype = self.backend.dtype
+        b = self.backend
         freq_factors = weights.get("rope_freqs.weight")
-        w = {name: t.to(dtype) for name, t in weights.items() if name != "rope_freqs.weight"}
-        rope = RotaryEmbedding(rope_inv_freq(config, freq_factors), config.context_length)
-        self.embed_tokens = nn.Parameter(w["embed_tokens.weight"], requires_grad=False)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, w, rope) for i in range(config.num_layers))
-        self.norm = RMSNorm(w["norm.weight"], config.rms_norm_eps)
-        lm_head = w["embed_tokens.weight"] if config.tie_word_embeddings else w["lm_head.weight"]
-        self.lm_head = nn.Parameter(lm_head, requires_grad=False)
+        inv_freq = rope_inv_freq(config, dense(freq_factors) if freq_factors is not None else None)
+        self.cos, self.sin = rope_tables(inv_freq, config.context_length)
+        self.embed_tokens = b.matrix(weights["embed_tokens.weight"])
+        self.layers = [LayerWeights.build(config, i, weights, b) for i in range(config.num_layers)]
+        self.norm = b.vector(weights["norm.weight"])
+        self.lm_head = self.embed_tokens if config.tie_word_embeddings else b.matrix(weights["lm_head.weight"])
+        self.scale = config.head_dim**-0.5
+        c = config
+        self.split = [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim]
 
     def weight_bytes(self) -> int:
-        seen = {}
-        for p in self.parameters():
-            seen[p.data_ptr()] = p.nbytes  # the tied lm_head shares the embedding's memory
-        return sum(seen.values())
+        objects = {id(self.embed_tokens): self.embed_tokens, id(self.lm_head): self.lm_head, id(self.norm): self.norm}
+        for layer in self.layers:
+            for w in vars(layer).values():
+                if w is not None:
+                    objects[id(w)] = w
+        return sum(self.backend.nbytes(w) for w in objects.values())
 
     def new_cache(self, max_tokens: int | None = None) -> SequenceKVCache:
         """A KV cache for one sequence of up to max_tokens (default: the context length)."""
         return SequenceKVCache(self.config, max_tokens or self.config.context_length, dtype=self.dtype)
 
-    @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, start: int, cache: SequenceKVCache, all_logits: bool = False) -> torch.Tensor:
+    def __call__(self, tokens: torch.Tensor, start: int, cache: SequenceKVCache, all_logits: bool = False) -> torch.Tensor:
         """One sequence: run tokens ([n] ids at positions start..start+n-1) and return float32 logits.
 
         Only the last position's logits ([1, vocab]) unless all_logits ([n, vocab]).
@@ -101,8 +97,29 @@ class Transformer(nn.Module):
     @torch.inference_mode()
     def forward_batch(self, batch: ForwardBatch, cache: PagedKVCache) -> torch.Tensor:
         """Run a step of many sequences; float32 logits of the rows batch.logits_indices names."""
-        x = F.embedding(batch.input_ids, self.embed_tokens)
-        for layer in self.layers:
-            x = layer(x, batch, cache)
-        x = x[batch.logits_indices]
-        return F.linear(self.norm(x), self.lm_head).float()
+        b, c, eps = self.backend, self.config, self.config.rms_norm_eps
+        n = batch.num_tokens
+        x = b.embedding(self.embed_tokens, batch.input_ids)  # the residual stream, [tokens, hidden]
+        h = b.rms_norm(x, self.layers[0].input_norm, eps)
+        for i, layer in enumerate(self.layers):
+            # attention
+            qkv = b.linear(layer.qkv, h, layer.qkv_bias)
+            q, k, v = qkv.split(self.split, dim=-1)
+            q = q.view(n, c.num_heads, c.head_dim)
+            k = k.view(n, c.num_kv_heads, c.head_dim)
+            v = v.view(n, c.num_kv_heads, c.head_dim)
+            if layer.q_norm is not None:
+                q = b.rms_norm(q, layer.q_norm, eps)
+                k = b.rms_norm(k, layer.k_norm, eps)
+            q = b.rope(q, batch.positions, self.cos, self.sin)
+            k = b.rope(k, batch.positions, self.cos, self.sin)
+            cache.write(i, batch.slot_mapping, k, v)
+            attn = b.attention(q, cache, i, batch, self.scale).reshape(n, -1)
+            h = b.add_rms_norm(x, b.linear(layer.o, attn), layer.post_norm, eps)
+            # SwiGLU MLP
+            down = b.linear(layer.down, b.swiglu(b.linear(layer.gate_up, h)))
+            if i + 1 < len(self.layers):
+                h = b.add_rms_norm(x, down, self.layers[i + 1].input_norm, eps)
+        rows = batch.logits_indices
+        h = b.add_rms_norm(x[rows], down[rows], self.norm, eps)
+        return b.linear(self.lm_head, h).float()

@@ -1,0 +1,61 @@
+"""Compute kernels: the native CPU extension `churon._cpu` and its plain-PyTorch references.
+
+    from churon import kernels
+    if kernels.native_available():
+        cpu = kernels.cpu              # the churon._cpu module (raw-pointer API, see below)
+    else:
+        print(kernels.reason)          # why not: not built, failed to load, ...
+
+`churon._cpu` is built by the package build from src/churon/kernels/cpu/ (setup.py); it is
+optional, and everything has a reference in churon.kernels.reference.
+
+The raw API (all tensors float32 and C-contiguous unless said; pointers are ints from
+`tensor.data_ptr()`; the caller keeps the tensors alive and correctly sized):
+
+    isa() -> str; available_isas() -> list[str]; set_isa(name)      # 'avx512' | 'avx2' | 'scalar'
+    set_num_threads(n); get_num_threads(); set_spin_us(us); get_spin_us()
+    QMatrix(raw: uint8 buffer, qtype: int, rows, cols)               # GGUF bytes of a [rows, cols] weight
+        .matmul(x_ptr, y_ptr, m, bias_ptr=0)                         # y[m, rows] = x[m, cols] @ W.T (+ bias)
+        .dequantize(out_ptr) / .dequantize_bf16(out_ptr)             # [rows, cols] float32 / bfloat16
+        .dequantize_rows(ids_ptr, n, out_ptr)                        # embedding lookup, ids int64 [n]
+        .rows .cols .qtype .layout .nbytes
+    rms_norm(x_ptr, weight_ptr, out_ptr, m, n, eps)
+    add_rms_norm(residual_ptr, x_ptr, weight_ptr, out_ptr, m, n, eps)   # residual += x; out = rms_norm(residual)
+    rope(x_ptr, m, n_heads, head_dim, positions_ptr, cos_ptr, sin_ptr, row_stride=0)   # in place
+    rope_and_cache(qkv_ptr, m, num_heads, num_kv_heads, head_dim, positions_ptr, cos_ptr, sin_ptr,
+                   k_cache_ptr, v_cache_ptr, slot_mapping_ptr, row_stride=0, kv_dtype="float32")
+                                                                     # rope q,k in place; k,v -> cache
+    swiglu(gate_up_ptr, out_ptr, m, n)
+    softmax(x_ptr, out_ptr, m, n)
+    attention_decode(q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr, out_ptr,
+                     num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale,
+                     max_blocks_per_seq, q_stride=0, kv_dtype="float32")   # cache float32/float16/bfloat16
+    read_bytes(ptr, nbytes, repeat=1)                                # memory-bandwidth probe
+
+churon.kernels.ops wraps the same calls for torch tensors, with checks.
+"""
+
+from __future__ import annotations
+
+import warnings
+from types import ModuleType
+
+cpu: ModuleType | None
+reason: str = ""
+
+try:
+    from churon import _cpu as cpu  # type: ignore[attr-defined]
+except ImportError as e:  # not built (no compiler at install time) or not loadable here
+    cpu = None
+    reason = f"churon._cpu is not available ({e}); build it with `pip install -e .` and a C++17 compiler"
+else:
+    if cpu.isa_error:
+        warnings.warn(f"churon: {cpu.isa_error}; using {cpu.isa()} kernels", RuntimeWarning, stacklevel=2)
+
+
+def native_available() -> bool:
+    """True when the native CPU kernels are importable; otherwise `reason` says why."""
+    return cpu is not None
+
+
+__all__ = ["cpu", "native_available", "reason"]

@@ -1,0 +1,252 @@
+// churon CPU kernels: shared declarations.
+//
+// Two kinds of translation units include this header:
+//   * kernels.cpp, compiled once per ISA (scalar, avx2, avx512) with that ISA's flags and
+//     -DCHURON_ISA=<name>; each copy fills one KernelTable in namespace churon::<name>.
+//   * module.cpp / threadpool.cpp, compiled with baseline flags: Python bindings, weight
+//     repacking, the thread pool, and the runtime choice of a KernelTable.
+// Nothing here may use instructions beyond the baseline, since module.cpp includes it.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+
+namespace churon {
+
+// ---------------------------------------------------------------------------
+// GGML type ids (gguf.GGMLQuantizationType values) that QMatrix accepts.
+enum QType : int {
+  kF32 = 0,
+  kF16 = 1,
+  kQ4_0 = 2,
+  kQ4_1 = 3,
+  kQ8_0 = 8,
+  kQ4_K = 12,
+  kQ5_K = 13,
+  kQ6_K = 14,
+  kBF16 = 30,
+};
+
+// ---------------------------------------------------------------------------
+// Repacked weight layout ("x16"): rows are taken 16 at a time (a *group*; the last group is
+// padded with zero rows). A group is stored as a sequence of *units*, one per 32 columns
+// (Q4_0, Q4_1, Q8_0) or per 256 columns (K-quants). Inside a unit the codes of the 16 rows
+// are interleaved so that one 64-byte vector holds 4 consecutive columns of each of the 16
+// rows: byte 4*r + t of a vector is row r, column c0 + t. A dot product with one 4-byte
+// broadcast of the activations then leaves row r's partial sum in 32-bit lane r (VNNI
+// vpdpbusd), and no horizontal reduction is ever needed.
+//
+// A 32-column *sub-block* of 4-bit codes takes 4 vectors (256 bytes): vector j holds columns
+// 4j..4j+3 in its low nibbles and columns 16+4j..16+4j+3 in its high nibbles. Codes are stored
+// unsigned (0..15, 0..31, 0..63, 0..255); signed formats are offset and the offset is taken
+// out exactly in the integer sum with the activation block sums.
+//
+//   Q4_0  unit 32 cols, 288 B: nibbles[256] | d f16[16]
+//   Q4_1  unit 32 cols, 320 B: nibbles[256] | d f16[16] | m f16[16]
+//   Q8_0  unit 32 cols, 544 B: bytes[512] (8 vectors, vector j = columns 4j..4j+3, code+128) | d f16[16]
+//   Q4_K  unit 256 cols, 2368 B: nibbles[8 sub-blocks][256] | d f16[16] | dmin f16[16]
+//         | sc u8[8][16] | mn u8[8][16]
+//   Q5_K  unit 256 cols, 2880 B: as Q4_K, then qh u64[8 sub-blocks][8 vectors]: bit i of mask v
+//         is the 5th bit of byte i of unpacked vector v (v 0..3: low-nibble vectors, 4..7: high)
+//   Q6_K  unit 256 cols, 3360 B: nibbles[8][256] | hbits[8][2][64] | sc i8[16][16] | d f16[16]
+//         hbits[s][h] byte i, bits 2k..2k+1: the top two bits of byte i of the unpacked vector
+//         k of half h (h 0: low-nibble vectors, 1: high-nibble vectors) of sub-block s.
+//         sc[2s + h][r]: the scale of row r, columns 32s + 16h .. 32s + 16h + 15.
+//   F32, F16, BF16: the GGUF rows unchanged (row-major), no groups in memory.
+constexpr int kGroupRows = 16;
+constexpr int kActBlock = 32;  // activations are quantized in blocks of 32 values
+
+struct QWeights {
+  int qtype = 0;
+  int64_t rows = 0, cols = 0;
+  int64_t ngroups = 0;     // ceil(rows / 16)
+  int64_t unit_cols = 0;   // 32, 256, or cols for float types
+  int64_t nunits = 0;      // cols / unit_cols
+  int64_t unit_bytes = 0;  // bytes of one group-unit (float types: bytes of one row)
+  int64_t group_bytes = 0; // nunits * unit_bytes (float types: 16 rows)
+  const uint8_t* data = nullptr;
+  int64_t prefetch = 0;    // software prefetch distance in bytes (0: none)
+};
+
+// Activations quantized to 8 bits, per 32 values: q = round_half_even(x / d) with
+// d = max|x| / 127 (computed as x * (1/d)), and the block sums used by the offset/min terms.
+struct ActQ {
+  int64_t m = 0, cols = 0, nb = 0;  // nb = cols / 32
+  int8_t* q = nullptr;          // [m][cols]
+  float* d = nullptr;           // [m][nb]
+  float* s = nullptr;           // [m][nb]   d * sum32
+  int32_t* sum32 = nullptr;     // [m][nb]
+  int32_t* sum16 = nullptr;     // [m][2 * nb]
+};
+
+enum KvDtype : int { kKvF32 = 0, kKvF16 = 1, kKvBF16 = 2 };
+
+struct AttnArgs {
+  const float* q;            // [num_seqs, q_stride] : head h at q + seq * q_stride + h * head_dim
+  const void* k_cache;       // [num_blocks, block_size, num_kv_heads, head_dim] of kv_dtype
+  const void* v_cache;
+  int kv_dtype;              // kKvF32, kKvF16, kKvBF16
+  bool prefetch;             // software-prefetch the next positions' cache rows
+  const int32_t* block_table;  // [num_seqs, max_blocks]
+  const int32_t* seq_lens;     // [num_seqs]
+  float* out;                // [num_seqs, num_heads * head_dim]
+  int64_t num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_blocks, q_stride;
+  float scale;
+  int64_t part_tokens;       // tokens per partition (fixed, independent of thread count)
+  int64_t max_parts;         // partitions of the longest sequence
+  float* partial;            // [num_seqs, num_heads, max_parts, head_dim + 2]: o[head_dim], max, sum
+};
+
+// Everything an ISA provides. Row/group ranges let the caller split work across threads;
+// each kernel computes any one row the same way whatever range it is called with.
+struct KernelTable {
+  const char* name;
+  // quantize activation rows [m0, m1) of x (row stride a.cols) into a
+  void (*quantize_act)(const float* x, int64_t m0, int64_t m1, const ActQ& a);
+  // y[m, rows] for the row groups [g0, g1), all m rows; quantized types use a, float types x
+  void (*gemm)(const QWeights& w, const ActQ& a, const float* x, int64_t m, float* y,
+               const float* bias, int64_t g0, int64_t g1);
+  // dequantize rows [r0, r1) into out (row r at out + (r - r0) * cols); bitwise equal to ggml
+  void (*dequant)(const QWeights& w, int64_t r0, int64_t r1, float* out);
+  void (*dequant_bf16)(const QWeights& w, int64_t r0, int64_t r1, uint16_t* out);
+  void (*rms_norm)(const float* x, const float* w, float* out, int64_t r0, int64_t r1, int64_t n,
+                   float eps);
+  void (*add_rms_norm)(float* res, const float* x, const float* w, float* out, int64_t r0,
+                       int64_t r1, int64_t n, float eps);
+  void (*rope)(float* x, int64_t r0, int64_t r1, int64_t n_heads, int64_t head_dim,
+               int64_t row_stride, const int64_t* pos, const float* cos, const float* sin);
+  void (*swiglu)(const float* gu, float* out, int64_t r0, int64_t r1, int64_t n);
+  void (*softmax)(const float* x, float* out, int64_t r0, int64_t r1, int64_t n);
+  // attention tasks [t0, t1) of (seq, partition); then combine (seq, head) [t0, t1)
+  // scratch: attn_scratch_floats(a) floats private to the calling thread
+  void (*attn_partial)(const AttnArgs& a, int64_t t0, int64_t t1, float* scratch);
+  void (*attn_combine)(const AttnArgs& a, int64_t t0, int64_t t1);
+  // read n bytes (a bandwidth probe); returns a value depending on all of them
+  uint64_t (*read_bytes)(const uint8_t* p, int64_t n);
+};
+
+namespace scalar { const KernelTable* table(); }
+#if defined(CHURON_HAVE_AVX2)
+namespace avx2 { const KernelTable* table(); }
+#endif
+#if defined(CHURON_HAVE_AVX512)
+namespace avx512 { const KernelTable* table(); }
+#endif
+
+static inline int64_t attn_scratch_floats(const AttnArgs& a) {
+  return a.num_heads * (a.part_tokens + 2 * a.head_dim + 128) + 2 * a.head_dim + 64;
+}
+
+// ---------------------------------------------------------------------------
+// fp16 / bf16 helpers (exact, portable). Every function in this header is `static`: each
+// translation unit, whatever its ISA flags, gets its own copy, so the linker can never pick
+// an AVX-512 build of a helper for the baseline code.
+
+static inline float f32_from_bits(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+static inline uint32_t bits_from_f32(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+
+static inline float fp16_to_fp32(uint16_t h) {
+  const uint32_t sign = uint32_t(h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1f;
+  uint32_t man = h & 0x3ff;
+  uint32_t f;
+  if (exp == 0) {
+    if (man == 0) {
+      f = sign;
+    } else {  // subnormal: normalize
+      int e = -1;
+      do {
+        ++e;
+        man <<= 1;
+      } while (!(man & 0x400));
+      man &= 0x3ff;
+      f = sign | (uint32_t(112 - e) << 23) | (man << 13);
+    }
+  } else if (exp == 31) {
+    f = sign | 0x7f800000u | (man << 13);
+  } else {
+    f = sign | ((exp + 112) << 23) | (man << 13);
+  }
+  return f32_from_bits(f);
+}
+
+static inline float bf16_to_fp32(uint16_t h) { return f32_from_bits(uint32_t(h) << 16); }
+
+// round to nearest even, NaN -> quiet NaN (as c10::BFloat16 does)
+static inline uint16_t fp32_to_bf16(float f) {
+  uint32_t u = bits_from_f32(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return uint16_t(u >> 16);
+}
+
+// round to nearest even, overflow to inf, NaN -> quiet NaN (as torch's .to(float16))
+static inline uint16_t fp32_to_fp16(float f) {
+  uint32_t x = bits_from_f32(f);
+  const uint16_t sign = uint16_t((x >> 16) & 0x8000u);
+  x &= 0x7fffffffu;
+  if (x >= 0x7f800000u) return uint16_t(sign | (x > 0x7f800000u ? 0x7e00u : 0x7c00u));
+  if (x >= 0x477ff000u) return uint16_t(sign | 0x7c00u);  // >= 65520 rounds to inf
+  if (x < 0x38800000u) {  // below 2^-14: a multiple of 2^-24, exact scaling then rounding
+    const float scaled = f32_from_bits(x) * 16777216.0f;
+    uint32_t m = uint32_t(scaled);
+    const float rem = scaled - float(m);
+    if (rem > 0.5f || (rem == 0.5f && (m & 1u))) ++m;
+    return uint16_t(sign | m);
+  }
+  uint32_t h = (((x >> 23) - 112u) << 10) | ((x & 0x7fffffu) >> 13);
+  const uint32_t rem = x & 0x1fffu;
+  if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) ++h;  // a carry moves into the exponent
+  return uint16_t(sign | h);
+}
+
+static inline uint16_t load_u16(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, 2);
+  return v;
+}
+
+static inline int32_t load_i32(const void* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+static inline uint64_t load_u64(const uint8_t* p) {
+  uint64_t v;
+  std::memcpy(&v, p, 8);
+  return v;
+}
+
+// unit geometry of the repacked layout
+static inline int64_t unit_cols_of(int qtype) {
+  switch (qtype) {
+    case kQ4_0: case kQ4_1: case kQ8_0: return 32;
+    case kQ4_K: case kQ5_K: case kQ6_K: return 256;
+    default: return 0;
+  }
+}
+
+static inline int64_t unit_bytes_of(int qtype) {
+  switch (qtype) {
+    case kQ4_0: return 288;
+    case kQ4_1: return 320;
+    case kQ8_0: return 544;
+    case kQ4_K: return 2368;
+    case kQ5_K: return 2880;
+    case kQ6_K: return 3360;
+    default: return 0;
+  }
+}
+
+}  // namespace churon

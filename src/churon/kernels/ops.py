@@ -1,0 +1,199 @@
+"""Tensor-level wrappers around churon._cpu: check dtypes, shapes and contiguity, then pass
+pointers. Each costs a few microseconds of Python over the raw call; a hot decode loop can
+call churon.kernels.cpu directly with cached pointers instead.
+
+Every function raises RuntimeError (with churon.kernels.reason) when the extension is not built.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from churon import kernels
+
+
+def _cpu():
+    if kernels.cpu is None:
+        raise RuntimeError(kernels.reason)
+    return kernels.cpu
+
+
+KV_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+def _kv_dtype(k_cache: torch.Tensor, v_cache: torch.Tensor) -> str:
+    if k_cache.dtype not in KV_DTYPES or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"KV caches must both be float32, float16 or bfloat16, got {k_cache.dtype} and {v_cache.dtype}")
+    return KV_DTYPES[k_cache.dtype]
+
+
+def _check(t: torch.Tensor, name: str, dtype: torch.dtype = torch.float32) -> None:
+    if t.dtype != dtype:
+        raise ValueError(f"{name} must be {dtype}, got {t.dtype}")
+    if t.device.type != "cpu":
+        raise ValueError(f"{name} must be on the CPU, got {t.device}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+
+
+def _out(out: torch.Tensor | None, shape: tuple[int, ...], name: str = "out") -> torch.Tensor:
+    if out is None:
+        return torch.empty(shape, dtype=torch.float32)
+    _check(out, name)
+    if tuple(out.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(out.shape)}")
+    return out
+
+
+class QuantizedMatrix:
+    """A GGUF weight [rows, cols] held in the native repacked layout; `self(x)` is x @ W.T."""
+
+    def __init__(self, raw: np.ndarray, qtype: int, rows: int, cols: int):
+        self.q = _cpu().QMatrix(np.ascontiguousarray(raw).reshape(-1).view(np.uint8), int(qtype), int(rows), int(cols))
+        self.rows, self.cols = int(rows), int(cols)
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+        _check(x, "x")
+        if x.shape[-1] != self.cols:
+            raise ValueError(f"x has {x.shape[-1]} features, the matrix has {self.cols} columns")
+        m = x.numel() // self.cols
+        y = _out(out, tuple(x.shape[:-1]) + (self.rows,))
+        if bias is not None:
+            _check(bias, "bias")
+            if bias.numel() != self.rows:
+                raise ValueError(f"bias has {bias.numel()} values, expected {self.rows}")
+        self.q.matmul(x.data_ptr(), y.data_ptr(), m, bias.data_ptr() if bias is not None else 0)
+        return y
+
+    def dequantize(self) -> torch.Tensor:
+        out = torch.empty(self.rows, self.cols, dtype=torch.float32)
+        self.q.dequantize(out.data_ptr())
+        return out
+
+    def dequantize_bf16(self) -> torch.Tensor:
+        out = torch.empty(self.rows, self.cols, dtype=torch.bfloat16)
+        self.q.dequantize_bf16(out.data_ptr())
+        return out
+
+    def rows_of(self, ids: torch.Tensor) -> torch.Tensor:
+        """Dequantized rows `ids` (an embedding lookup): [*ids.shape, cols]."""
+        ids = ids.to(torch.int64).contiguous()
+        out = torch.empty(tuple(ids.shape) + (self.cols,), dtype=torch.float32)
+        self.q.dequantize_rows(ids.data_ptr(), ids.numel(), out.data_ptr())
+        return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    _check(x, "x")
+    _check(weight, "weight")
+    n = x.shape[-1]
+    out = _out(out, tuple(x.shape))
+    _cpu().rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // n, n, float(eps))
+    return out
+
+
+def add_rms_norm(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """residual += x (in place); returns rms_norm(residual)."""
+    _check(residual, "residual")
+    _check(x, "x")
+    _check(weight, "weight")
+    if x.shape != residual.shape:
+        raise ValueError(f"x {tuple(x.shape)} and residual {tuple(residual.shape)} differ in shape")
+    n = x.shape[-1]
+    out = _out(out, tuple(x.shape))
+    _cpu().add_rms_norm(residual.data_ptr(), x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // n, n,
+                        float(eps))
+    return out
+
+
+def rope_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """In-place RoPE of x [m, heads, head_dim] (rows may be strided, heads packed)."""
+    if x.dtype != torch.float32 or x.dim() != 3 or x.stride(2) != 1 or x.stride(1) != x.shape[2]:
+        raise ValueError("x must be float32 [m, heads, head_dim] with packed heads")
+    _check(cos, "cos")
+    _check(sin, "sin")
+    positions = positions.to(torch.int64).contiguous()
+    if positions.numel() and int(positions.max()) >= cos.shape[0]:
+        raise ValueError(f"position {int(positions.max())} is beyond the RoPE table ({cos.shape[0]} positions)")
+    m, heads, head_dim = x.shape
+    _cpu().rope(x.data_ptr(), m, heads, head_dim, positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), x.stride(0))
+    return x
+
+
+def rope_and_cache(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, positions: torch.Tensor, cos: torch.Tensor,
+                   sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """In place on qkv [m, (num_heads + 2 num_kv_heads) * head_dim] (rows may be strided): RoPE on q and k,
+    then k and v written into the caches [num_blocks, block_size, num_kv_heads, head_dim] at the flat
+    slots slot_mapping [m] (negative: skipped)."""
+    if qkv.dtype != torch.float32 or qkv.dim() != 2 or qkv.stride(1) != 1:
+        raise ValueError("qkv must be float32 [m, (num_heads + 2 num_kv_heads) * head_dim] with unit column stride")
+    _check(cos, "cos")
+    _check(sin, "sin")
+    kv_dtype = _kv_dtype(k_cache, v_cache)
+    _check(k_cache, "k_cache", k_cache.dtype)
+    _check(v_cache, "v_cache", v_cache.dtype)
+    head_dim = k_cache.shape[-1]
+    if qkv.shape[1] != (num_heads + 2 * num_kv_heads) * head_dim or k_cache.shape[-2] != num_kv_heads:
+        raise ValueError("qkv, num_heads, num_kv_heads and the cache shape disagree")
+    if v_cache.shape != k_cache.shape:
+        raise ValueError("k_cache and v_cache differ in shape")
+    positions = positions.to(torch.int64).contiguous()
+    slot_mapping = slot_mapping.to(torch.int64).contiguous()
+    m = qkv.shape[0]
+    if positions.numel() != m or slot_mapping.numel() != m:
+        raise ValueError("positions and slot_mapping need one entry per token")
+    if m and int(positions.max()) >= cos.shape[0]:
+        raise ValueError(f"position {int(positions.max())} is beyond the RoPE table ({cos.shape[0]} positions)")
+    if m and int(slot_mapping.max()) >= k_cache.numel() // (num_kv_heads * head_dim):
+        raise ValueError("slot_mapping holds a slot outside the cache")
+    _cpu().rope_and_cache(qkv.data_ptr(), m, num_heads, num_kv_heads, head_dim, positions.data_ptr(), cos.data_ptr(),
+                          sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slot_mapping.data_ptr(), qkv.stride(0),
+                          kv_dtype)
+
+
+def swiglu(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    _check(gate_up, "gate_up")
+    n = gate_up.shape[-1] // 2
+    out = _out(out, tuple(gate_up.shape[:-1]) + (n,))
+    _cpu().swiglu(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * n), n)
+    return out
+
+
+def softmax(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    _check(x, "x")
+    n = x.shape[-1]
+    out = _out(out, tuple(x.shape))
+    _cpu().softmax(x.data_ptr(), out.data_ptr(), x.numel() // n, n)
+    return out
+
+
+def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                     seq_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """q [num_seqs, num_heads, head_dim]; caches [num_blocks, block_size, num_kv_heads, head_dim]
+    (float32, float16 or bfloat16); block_table int32 [num_seqs, max_blocks]; seq_lens int32 [num_seqs]."""
+    _check(q, "q")
+    kv_dtype = _kv_dtype(k_cache, v_cache)
+    _check(k_cache, "k_cache", k_cache.dtype)
+    _check(v_cache, "v_cache", v_cache.dtype)
+    _check(block_table, "block_table", torch.int32)
+    _check(seq_lens, "seq_lens", torch.int32)
+    num_seqs, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, kd = k_cache.shape
+    if kd != head_dim or v_cache.shape != k_cache.shape:
+        raise ValueError("k_cache and v_cache must be [num_blocks, block_size, num_kv_heads, head_dim]")
+    if block_table.shape[0] != num_seqs or seq_lens.shape[0] != num_seqs:
+        raise ValueError("block_table and seq_lens need one row per sequence")
+    if num_seqs and int(seq_lens.min()) < 0:
+        raise ValueError("seq_lens must not be negative")
+    # only the blocks a sequence uses must be valid; the rest of its row is padding
+    used = torch.arange(block_table.shape[1]) < ((seq_lens.long() + block_size - 1) // block_size).unsqueeze(1)
+    ids = block_table[used]
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= k_cache.shape[0]):
+        raise ValueError("block_table holds a block id outside the cache")
+    out = _out(out, (num_seqs, num_heads, head_dim))
+    _cpu().attention_decode(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_table.data_ptr(),
+                            seq_lens.data_ptr(), out.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim,
+                            block_size, float(scale), block_table.shape[1], 0, kv_dtype)
+    return out

@@ -1,0 +1,141 @@
+"""Plain-PyTorch versions of the native CPU kernels: the ground truth they are tested against.
+
+Each function here states the math of its kernel in the most direct torch code, with the same
+argument conventions as the tensor-level wrappers in churon.kernels.ops (tensors, not pointers).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType
+
+from churon.formats.quants import dequantize
+
+Q8_BLOCK = 32  # activations are quantized per 32 values
+
+
+# ---------------------------------------------------------------------------
+# quantized matmul
+
+
+def qmatmul(raw: np.ndarray, qtype: GGMLQuantizationType | int, rows: int, cols: int, x: torch.Tensor,
+            bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y[m, rows] = x[m, cols] @ W.T (+ bias), W the dequantized GGUF weight, float32."""
+    w = dequantize(raw, GGMLQuantizationType(int(qtype)), (rows, cols))
+    y = x.float() @ w.T
+    return y + bias if bias is not None else y
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernels' on-the-fly 8-bit quantization of activations, per 32 values.
+
+    d = max|x| / 127 and q = round_half_even(x * (1 / d)) (q = 0 where d = 0), all in float32,
+    the same operations as every ISA's kernel, so q and d here are bitwise what the kernels use.
+    Returns q (int8, [m, cols]) and d (float32, [m, cols // 32]).
+    """
+    m, cols = x.shape
+    xb = x.float().reshape(m, cols // Q8_BLOCK, Q8_BLOCK)
+    d = xb.abs().amax(-1) / 127.0
+    inv = torch.where(d != 0, 1.0 / torch.where(d != 0, d, torch.ones_like(d)), torch.zeros_like(d))
+    q = (xb * inv.unsqueeze(-1)).round().clamp(-128, 127).to(torch.int8)
+    return q.reshape(m, cols), d
+
+
+def dequantize_activations(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """q * d per 32-value block, in float64 (exact)."""
+    m, cols = q.shape
+    return (q.double().reshape(m, -1, Q8_BLOCK) * d.double().unsqueeze(-1)).reshape(m, cols)
+
+
+def qmatmul_q8(raw: np.ndarray, qtype: GGMLQuantizationType | int, rows: int, cols: int,
+               x: torch.Tensor) -> torch.Tensor:
+    """What the integer kernels compute, in float64: the 8-bit activations of
+    `quantize_activations` against the dequantized weight. The kernels differ from this only by
+    float32 rounding of per-block scale products and of the accumulation."""
+    w = dequantize(raw, GGMLQuantizationType(int(qtype)), (rows, cols)).double()
+    return dequantize_activations(*quantize_activations(x)) @ w.T
+
+
+# ---------------------------------------------------------------------------
+# row ops
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """As churon.model.layers.RMSNorm: weight * (x * rsqrt(mean(x^2) + eps))."""
+    h = x.float()
+    return weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def add_rms_norm(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(residual + x, rms_norm(residual + x)); the kernel updates residual in place."""
+    r = residual + x
+    return r, rms_norm(r, weight, eps)
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE (churon.model.layers.RotaryEmbedding) of x [m, heads, head_dim] at
+    positions [m], with tables cos/sin [max_pos, head_dim]."""
+    c = cos[positions].unsqueeze(1)
+    s = sin[positions].unsqueeze(1)
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * c + rotated * s
+
+
+def rope_and_cache(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, positions: torch.Tensor, cos: torch.Tensor,
+                   sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """qkv [m, (num_heads + 2 num_kv_heads) * head_dim] -> (q with RoPE [m, heads, head_dim], and copies
+    of k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim] with token i's RoPE'd k and its v
+    written at flat slot slot_mapping[i], converted to the cache dtype; negative slots are not written)."""
+    m = qkv.shape[0]
+    head_dim = k_cache.shape[-1]
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    q = rope(q.reshape(m, num_heads, head_dim), positions, cos, sin)
+    k = rope(k.reshape(m, num_kv_heads, head_dim), positions, cos, sin)
+    kc, vc = k_cache.clone(), v_cache.clone()
+    keep = slot_mapping >= 0
+    kc.view(-1, num_kv_heads, head_dim)[slot_mapping[keep]] = k[keep].to(kc.dtype)
+    vc.view(-1, num_kv_heads, head_dim)[slot_mapping[keep]] = v.reshape(m, num_kv_heads, head_dim)[keep].to(vc.dtype)
+    return q, kc, vc
+
+
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate_up [m, 2n] = [gate | up]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def softmax(x: torch.Tensor) -> torch.Tensor:
+    return torch.softmax(x, dim=-1)
+
+
+def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                     seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query token per sequence against a paged KV cache.
+
+    q [num_seqs, num_heads, head_dim]; k_cache, v_cache [num_blocks, block_size, num_kv_heads,
+    head_dim]; block_table int32 [num_seqs, max_blocks]; seq_lens int32 [num_seqs]. Token t of
+    sequence s is in block block_table[s, t // block_size] at offset t % block_size. Query head h
+    uses KV head h // (num_heads // num_kv_heads). Returns [num_seqs, num_heads, head_dim]
+    (zeros for an empty sequence), in q's dtype (pass float64 for an exact reference).
+    """
+    num_seqs, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    out = torch.zeros(num_seqs, num_heads, head_dim, dtype=q.dtype)
+    for s in range(num_seqs):
+        n = int(seq_lens[s])
+        if n == 0:
+            continue
+        t = torch.arange(n)
+        blocks = block_table[s, t // block_size].long()
+        keys = k_cache[blocks, t % block_size].to(q.dtype)  # [n, kv_heads, head_dim]
+        values = v_cache[blocks, t % block_size].to(q.dtype)
+        for h in range(num_heads):
+            kv = h // group
+            scores = (keys[:, kv] @ q[s, h]) * scale  # [n]
+            out[s, h] = torch.softmax(scores, dim=0) @ values[:, kv]
+    return out

@@ -1,0 +1,574 @@
+"""Native CPU kernels (churon._cpu) against their references in churon.kernels.reference.
+
+Every test runs once per ISA the machine supports (forced with set_isa, restored after).
+
+Tolerances, and why:
+  * dequantize, dequantize_rows, rope: none. Same float32 operations in the same order as the
+    reference (ggml's dequantization order; x*cos - x2*sin), so the results are bitwise equal.
+  * quantized matmul, tight check: the kernels quantize activations to 8 bits per 32 values
+    exactly as reference.quantize_activations does (bitwise), then take integer dot products;
+    the only differences from reference.qmatmul_q8 (float64) are float32 roundings of the
+    per-block scale products and of the accumulation over cols / 32 blocks. Bound:
+    TIGHT_RTOL * max_i |W[r, i]| * sum_i |xq_i| per output (the scale/min terms of a block are
+    at most ~3 max|W| in size, each rounding is 2^-24 relative, a few hundred blocks at most).
+  * quantized matmul, against the float reference x @ W.T: the 8-bit rounding of x moves each
+    output by at most sum_i |W[r, i]| * |x_i - xq_i| (a rigorous bound, computed from the data),
+    plus the tight bound.
+  * float weights (F32/F16/BF16) and rms_norm/add_rms_norm: float32 sums in a different order
+    than torch: 1e-5 relative to the sum of absolute terms.
+  * swiglu, softmax, attention: the kernels use their own vectorized exp (~2 ulp): 1e-5.
+Determinism: threads 1 and 2 give bitwise-equal results; a row computed alone (M = 1) equals
+bitwise the same row computed inside a batch (M = 5, 17), for every kernel.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import zlib
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+
+from churon import kernels
+from churon.formats.quants import dequantize
+from churon.kernels import reference as ref
+
+pytestmark = pytest.mark.skipif(not kernels.native_available(), reason=kernels.reason or "no native kernels")
+
+cpu = kernels.cpu
+ISAS = cpu.available_isas() if cpu is not None else []
+
+QUANT_TYPES = [T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
+FLOAT_TYPES = [T.F32, T.F16, T.BF16]
+K_QUANTS = {T.Q4_K, T.Q5_K, T.Q6_K}
+FP16_FIELDS = {T.Q8_0: [0], T.Q4_0: [0], T.Q4_1: [0, 2], T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208]}
+TIGHT_RTOL = 2e-6
+
+
+def rng_for(*key) -> np.random.Generator:
+    return np.random.default_rng(zlib.crc32(repr(key).encode()))
+
+
+def weight_bytes(qtype: T, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """Raw GGUF bytes: random codes with finite fp16 scales of either sign (quantized types),
+    or random normal values (float types)."""
+    rng = rng_for("weight", qtype.name, rows, cols, seed)
+    if qtype in FLOAT_TYPES:
+        dtype = {T.F32: torch.float32, T.F16: torch.float16, T.BF16: torch.bfloat16}[qtype]
+        w = torch.from_numpy(rng.standard_normal((rows, cols)).astype(np.float32)).to(dtype)
+        return w.view(torch.uint8).numpy().reshape(-1).copy()
+    block, size = GGML_QUANT_SIZES[qtype]
+    n = rows * cols // block
+    blocks = rng.integers(0, 256, size=(n, size), dtype=np.uint8)
+    for off in FP16_FIELDS[qtype]:
+        blocks[:, off : off + 2] = rng.uniform(-0.1, 0.1, n).astype(np.float16).view(np.uint8).reshape(n, 2)
+    return blocks.reshape(-1)
+
+
+def cols_for(qtype: T, k: int = 2) -> int:
+    return 256 * k if qtype in K_QUANTS else 96 * k  # multiples of the block size only
+
+
+def activations(m: int, cols: int, seed: int = 0) -> torch.Tensor:
+    rng = rng_for("x", m, cols, seed)
+    x = rng.standard_normal((m, cols)).astype(np.float32) * rng.uniform(0.1, 4.0, size=(m, 1)).astype(np.float32)
+    if m > 2:
+        x[2, :64] = 0.0  # all-zero blocks: d = 0
+    return torch.from_numpy(x)
+
+
+def matmul(q, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    y = torch.full((x.shape[0], q.rows), float("nan"))
+    q.matmul(x.data_ptr(), y.data_ptr(), x.shape[0], bias.data_ptr() if bias is not None else 0)
+    return y
+
+
+@pytest.fixture(params=ISAS)
+def isa(request):
+    before = cpu.isa()
+    cpu.set_isa(request.param)
+    yield request.param
+    cpu.set_isa(before)
+
+
+@pytest.fixture
+def threads():
+    before = cpu.get_num_threads()
+    yield cpu.set_num_threads
+    cpu.set_num_threads(before)
+
+
+# ---------------------------------------------------------------------------
+# ISA selection and the module
+
+
+def test_isa_api():
+    assert "scalar" in ISAS
+    assert cpu.isa() in ISAS
+    with pytest.raises(ValueError, match="unknown ISA"):
+        cpu.set_isa("sse9")
+    before = cpu.isa()
+    for name in ISAS:
+        cpu.set_isa(name)
+        assert cpu.isa() == name
+    cpu.set_isa(before)
+
+
+def test_isa_env_var():
+    code = "from churon import kernels; print(kernels.cpu.isa())"
+    env = dict(os.environ, CHURON_ISA="scalar")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "scalar"
+    env["CHURON_ISA"] = "bogus"
+    out = subprocess.run([sys.executable, "-W", "always", "-c", code], env=env, capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == ISAS[0] and "CHURON_ISA=bogus" in out.stderr
+
+
+def test_threads_setting(threads):
+    threads(1)
+    assert cpu.get_num_threads() == 1
+    threads(3)
+    assert cpu.get_num_threads() == 3
+
+
+def test_qmatrix_errors():
+    with pytest.raises(ValueError, match="needs 720 bytes"):
+        cpu.QMatrix(np.zeros(700, np.uint8), int(T.Q4_1), 2, 576)
+    with pytest.raises(ValueError, match="multiple of 256"):
+        cpu.QMatrix(np.zeros(144, np.uint8), int(T.Q4_K), 2, 128)
+    with pytest.raises(ValueError, match="not supported"):
+        cpu.QMatrix(np.zeros(64, np.uint8), int(T.Q2_K), 1, 256)
+    q = cpu.QMatrix(weight_bytes(T.Q4_1, 16, 64), int(T.Q4_1), 16, 64)
+    with pytest.raises(ValueError, match="null pointer"):
+        q.matmul(0, 0, 1)
+    assert q.rows == 16 and q.cols == 64 and q.qtype == int(T.Q4_1) and "x16" in q.layout
+
+
+# ---------------------------------------------------------------------------
+# dequantization
+
+
+@pytest.mark.parametrize("qtype", QUANT_TYPES + FLOAT_TYPES, ids=lambda t: t.name)
+def test_dequantize_bitwise(isa, qtype):
+    for rows, k in [(1, 1), (17, 2), (40, 3)]:
+        cols = cols_for(qtype, k)
+        raw = weight_bytes(qtype, rows, cols)
+        q = cpu.QMatrix(raw, int(qtype), rows, cols)
+        want = dequantize(raw, qtype, (rows, cols))
+        got = torch.empty(rows, cols)
+        q.dequantize(got.data_ptr())
+        assert torch.equal(got, want)
+        bf = torch.empty(rows, cols, dtype=torch.bfloat16)
+        q.dequantize_bf16(bf.data_ptr())
+        assert torch.equal(bf, want.to(torch.bfloat16))
+        ids = torch.tensor([rows - 1, 0, rows // 2, rows - 1], dtype=torch.int64)
+        got_rows = torch.empty(4, cols)
+        q.dequantize_rows(ids.data_ptr(), 4, got_rows.data_ptr())
+        assert torch.equal(got_rows, want[ids])
+
+
+def test_dequantize_rows_checks_ids():
+    q = cpu.QMatrix(weight_bytes(T.Q8_0, 4, 32), int(T.Q8_0), 4, 32)
+    ids = torch.tensor([4], dtype=torch.int64)
+    out = torch.empty(1, 32)
+    with pytest.raises(IndexError, match="outside"):
+        q.dequantize_rows(ids.data_ptr(), 1, out.data_ptr())
+
+
+def test_real_gguf_quantized_data(isa):
+    # data quantized by the gguf package (not random codes): dequantize must still match
+    import gguf.quants as gq
+
+    for qtype in (T.Q8_0, T.Q4_0, T.Q4_1):
+        data = rng_for("real", qtype.name).standard_normal((19, 160)).astype(np.float32)
+        raw = np.ascontiguousarray(gq.quantize(data, qtype)).reshape(-1).view(np.uint8)
+        q = cpu.QMatrix(raw, int(qtype), 19, 160)
+        got = torch.empty(19, 160)
+        q.dequantize(got.data_ptr())
+        assert torch.equal(got, dequantize(raw, qtype, (19, 160)))
+
+
+# ---------------------------------------------------------------------------
+# activation quantization reference: the properties the tight bound relies on
+
+
+def test_quantize_activations_reference():
+    x = activations(5, 96)
+    q, d = ref.quantize_activations(x)
+    assert q.dtype == torch.int8 and d.shape == (5, 3)
+    assert int(q.abs().max()) <= 127
+    err = (x.double() - ref.dequantize_activations(q, d)).abs().reshape(5, 3, 32)
+    assert bool((err <= d.double().unsqueeze(-1) * 0.5 * (1 + 1e-6)).all())
+    assert bool((q[2, :64] == 0).all()) and bool((d[2, :2] == 0).all())
+
+
+# ---------------------------------------------------------------------------
+# quantized matmul
+
+
+def check_quant_matmul(qtype: T, raw: np.ndarray, rows: int, cols: int, x: torch.Tensor, y: torch.Tensor) -> None:
+    w = dequantize(raw, qtype, (rows, cols)).double()
+    xq, d = ref.quantize_activations(x)
+    xhat = ref.dequantize_activations(xq, d)
+    want_q8 = xhat @ w.T
+    tight = TIGHT_RTOL * w.abs().amax(1).unsqueeze(0) * xhat.abs().sum(1, keepdim=True) + 1e-30
+    err = (y.double() - want_q8).abs()
+    assert bool((err <= tight).all()), f"tight: worst err/bound {float((err / tight).max()):.3g}"
+    want = x.double() @ w.T
+    loose = (x.double() - xhat).abs() @ w.abs().T + tight
+    err = (y.double() - want).abs()
+    assert bool((err <= loose).all()), f"loose: worst err/bound {float((err / loose).max()):.3g}"
+
+
+@pytest.mark.parametrize("qtype", QUANT_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("m", [1, 3, 17, 64])
+def test_quant_matmul(isa, qtype, m):
+    rows = 37  # not a multiple of the 16-row interleave
+    cols = cols_for(qtype)
+    raw = weight_bytes(qtype, rows, cols)
+    q = cpu.QMatrix(raw, int(qtype), rows, cols)
+    x = activations(m, cols)
+    check_quant_matmul(qtype, raw, rows, cols, x, matmul(q, x))
+
+
+@pytest.mark.parametrize("qtype", FLOAT_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("m", [1, 5, 17])
+def test_float_matmul(isa, qtype, m):
+    for rows, cols in [(37, 100), (5, 7), (33, 64)]:  # float weights take any column count
+        raw = weight_bytes(qtype, rows, cols)
+        q = cpu.QMatrix(raw, int(qtype), rows, cols)
+        x = activations(m, cols)
+        y = matmul(q, x)
+        w = dequantize(raw, qtype, (rows, cols)).double()
+        want = x.double() @ w.T
+        tol = 1e-5 * (x.double().abs() @ w.abs().T) + 1e-30
+        assert bool(((y.double() - want).abs() <= tol).all())
+
+
+def test_matmul_bias(isa):
+    for qtype in (T.Q4_1, T.F32):
+        rows, cols = 21, 64
+        raw = weight_bytes(qtype, rows, cols)
+        q = cpu.QMatrix(raw, int(qtype), rows, cols)
+        x = activations(3, cols)
+        bias = torch.randn(rows)
+        assert torch.equal(matmul(q, x, bias), matmul(q, x) + bias)
+
+
+@pytest.mark.parametrize("qtype", QUANT_TYPES + [T.F32, T.BF16], ids=lambda t: t.name)
+def test_matmul_threads_and_batch_bitwise(isa, qtype, threads):
+    rows = 16 * 13 + 5
+    cols = cols_for(qtype)
+    raw = weight_bytes(qtype, rows, cols)
+    q = cpu.QMatrix(raw, int(qtype), rows, cols)
+    x = activations(17, cols)
+    threads(1)
+    one = matmul(q, x)
+    threads(2)
+    two = matmul(q, x)
+    assert torch.equal(one, two)
+    # M = 1 rows equal the same rows of the M = 5 and M = 17 batches (full and remainder tiles)
+    five = matmul(q, x[:5].contiguous())
+    assert torch.equal(five, one[:5])
+    for i in (0, 3, 4, 9, 16):
+        assert torch.equal(matmul(q, x[i : i + 1].contiguous()), one[i : i + 1])
+
+
+def test_matmul_large_m_parallel_quantization(isa, threads):
+    # m * cols large enough that the activations are quantized in parallel
+    qtype, rows, cols = T.Q8_0, 24, 2048
+    raw = weight_bytes(qtype, rows, cols)
+    q = cpu.QMatrix(raw, int(qtype), rows, cols)
+    x = activations(40, cols)
+    threads(2)
+    y = matmul(q, x)
+    check_quant_matmul(qtype, raw, rows, cols, x, y)
+    threads(1)
+    assert torch.equal(matmul(q, x), y)
+
+
+# ---------------------------------------------------------------------------
+# row ops
+
+
+def test_rms_norm(isa, threads):
+    for m, n in [(1, 576), (3, 100), (70, 576)]:  # the last is big enough to run in parallel
+        x = activations(m, n) * 3
+        w = torch.randn(n)
+        out = torch.empty(m, n)
+        cpu.rms_norm(x.data_ptr(), w.data_ptr(), out.data_ptr(), m, n, 1e-5)
+        want = ref.rms_norm(x.double(), w.double(), 1e-5)
+        tol = 1e-5 * (w.double().abs() * (x.double().abs() / x.double().pow(2).mean(-1, keepdim=True).sqrt()))
+        assert bool(((out.double() - want).abs() <= tol + 1e-30).all())
+        threads(1)
+        one = torch.empty(m, n)
+        cpu.rms_norm(x.data_ptr(), w.data_ptr(), one.data_ptr(), m, n, 1e-5)
+        threads(2)
+        assert torch.equal(one, out)
+        row = torch.empty(1, n)
+        cpu.rms_norm(x[m - 1 :].data_ptr(), w.data_ptr(), row.data_ptr(), 1, n, 1e-5)
+        assert torch.equal(row, out[m - 1 :])
+
+
+def test_add_rms_norm(isa):
+    m, n = 5, 576
+    residual = activations(m, n)
+    x = activations(m, n, seed=1)
+    w = torch.randn(n)
+    want_res, want = ref.add_rms_norm(residual.clone(), x, w, 1e-6)
+    res = residual.clone()
+    out = torch.empty(m, n)
+    cpu.add_rms_norm(res.data_ptr(), x.data_ptr(), w.data_ptr(), out.data_ptr(), m, n, 1e-6)
+    assert torch.equal(res, want_res)  # one float32 add per element
+    plain = torch.empty(m, n)
+    cpu.rms_norm(want_res.data_ptr(), w.data_ptr(), plain.data_ptr(), m, n, 1e-6)
+    assert torch.equal(out, plain)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
+def rope_tables(max_pos: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv_freq)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def test_rope_bitwise(isa):
+    cos, sin = rope_tables(300, 64)
+    positions = torch.tensor([0, 7, 299, 5, 5, 123, 1], dtype=torch.int64)
+    m = len(positions)
+    # q and k in place inside a fused qkv row: 9 q heads, 3 k heads, 3 v heads (row stride 960)
+    qkv = activations(m, 960)
+    want_q = ref.rope(qkv[:, :576].reshape(m, 9, 64), positions, cos, sin)
+    want_k = ref.rope(qkv[:, 576:768].reshape(m, 3, 64), positions, cos, sin)
+    v = qkv[:, 768:].clone()
+    got = qkv.clone()
+    cpu.rope(got.data_ptr(), m, 9, 64, positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), 960)
+    cpu.rope(got.data_ptr() + 576 * 4, m, 3, 64, positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), 960)
+    assert torch.equal(got[:, :576].reshape(m, 9, 64), want_q)
+    assert torch.equal(got[:, 576:768].reshape(m, 3, 64), want_k)
+    assert torch.equal(got[:, 768:], v)
+    # packed rows, an odd head_dim / 2, enough elements to run in parallel
+    cos2, sin2 = rope_tables(64, 18)
+    x = activations(60, 40 * 18).reshape(60, 40, 18)
+    pos = torch.arange(60, dtype=torch.int64)
+    want = ref.rope(x, pos, cos2, sin2)
+    cpu.rope(x.data_ptr(), 60, 40, 18, pos.data_ptr(), cos2.data_ptr(), sin2.data_ptr())
+    assert torch.equal(x, want)
+
+
+def test_rope_and_cache_bitwise(isa, threads):
+    cos, sin = rope_tables(100, 64)
+    m, H, KV, hd = 5, 9, 3, 64
+    qkv = activations(m, (H + 2 * KV) * hd)
+    positions = torch.tensor([3, 4, 5, 99, 0], dtype=torch.int64)
+    slots = torch.tensor([7, 8, -1, 30, 0], dtype=torch.int64)  # -1: a padding token, not written
+    k_cache = torch.randn(4, 8, KV, hd)
+    v_cache = torch.randn(4, 8, KV, hd)
+    want_q, want_k, want_v = ref.rope_and_cache(qkv, H, KV, positions, cos, sin, k_cache, v_cache, slots)
+    got = qkv.clone()
+    cpu.rope_and_cache(got.data_ptr(), m, H, KV, hd, positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                       k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr())
+    assert torch.equal(got[:, : H * hd].reshape(m, H, hd), want_q)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+    # many tokens (parallel), rows strided inside a wider buffer
+    m = 64
+    wide = activations(m, 1000)
+    qkv = wide[:, : (H + 2 * KV) * hd]
+    positions = torch.arange(m, dtype=torch.int64)
+    slots = torch.randperm(m, generator=torch.Generator().manual_seed(1)).to(torch.int64)
+    k_cache, v_cache = torch.zeros(8, 8, KV, hd), torch.zeros(8, 8, KV, hd)
+    want_q, want_k, want_v = ref.rope_and_cache(qkv, H, KV, positions, cos, sin, k_cache, v_cache, slots)
+    threads(2)
+    cpu.rope_and_cache(qkv.data_ptr(), m, H, KV, hd, positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                       k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), 1000)
+    assert torch.equal(qkv[:, : H * hd].reshape(m, H, hd), want_q)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_rope_and_cache_low_precision(isa, dtype):
+    # position 0 (cos 1, sin 0) passes k through unchanged: the cache must hold k.to(dtype) bitwise,
+    # round to nearest even, including fp16 overflow, subnormals and ties
+    H, KV, hd = 2, 1, 16
+    special = torch.tensor([65504.0, 65519.0, 65520.0, 1e6, -2.0**-25, 2.0**-24 * 1.5, 2.0**-24 * 2.5, 6e-8,
+                            1e-30, -0.0, 1.0 + 2.0**-11, 1.0 + 3 * 2.0**-11, 1.0 + 2.0**-8, 3.0e38, -7.5e-5, 0.1])
+    qkv = torch.randn(3, (H + 2 * KV) * hd) * 100
+    qkv[0, H * hd : (H + 1) * hd] = special
+    qkv[1, (H + 1) * hd :] = special
+    positions = torch.zeros(3, dtype=torch.int64)
+    slots = torch.tensor([0, 1, 2], dtype=torch.int64)
+    cos, sin = rope_tables(4, hd)
+    k_cache = torch.zeros(1, 4, KV, hd, dtype=dtype)
+    v_cache = torch.zeros(1, 4, KV, hd, dtype=dtype)
+    _, want_k, want_v = ref.rope_and_cache(qkv, H, KV, positions, cos, sin, k_cache, v_cache, slots)
+    cpu.rope_and_cache(qkv.data_ptr(), 3, H, KV, hd, positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                       k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), 0, str(dtype).split(".")[1])
+    assert torch.equal(k_cache.view(torch.int16), want_k.view(torch.int16))
+    assert torch.equal(v_cache.view(torch.int16), want_v.view(torch.int16))
+    with pytest.raises(ValueError, match="kv_dtype"):
+        cpu.rope_and_cache(qkv.data_ptr(), 3, H, KV, hd, positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                           k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), 0, "int8")
+
+
+def test_swiglu(isa, threads):
+    for m, n in [(1, 1536), (3, 37), (30, 1536)]:
+        gu = activations(m, 2 * n) * 4
+        gu[0, :4] = torch.tensor([-100.0, 100.0, -1e-8, 0.0])
+        out = torch.empty(m, n)
+        cpu.swiglu(gu.data_ptr(), out.data_ptr(), m, n)
+        want = ref.swiglu(gu.double())
+        torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-6)
+        threads(1)
+        one = torch.empty(m, n)
+        cpu.swiglu(gu.data_ptr(), one.data_ptr(), m, n)
+        threads(2)
+        assert torch.equal(one, out)
+
+
+def test_softmax(isa):
+    for m, n in [(1, 1), (4, 33), (5, 49152)]:
+        x = activations(m, n) * 10
+        out = torch.empty(m, n)
+        cpu.softmax(x.data_ptr(), out.data_ptr(), m, n)
+        torch.testing.assert_close(out.double(), ref.softmax(x.double()), rtol=1e-5, atol=1e-7)
+        cpu.softmax(x.data_ptr(), x.data_ptr(), m, n)  # in place
+        assert torch.equal(x, out)
+
+
+# ---------------------------------------------------------------------------
+# attention
+
+
+def paged_cache(seq_lens: list[int], num_kv_heads: int, head_dim: int, block_size: int, seed: int = 0):
+    """A cache with each sequence's blocks scattered in a shuffled order (and unused padding)."""
+    g = torch.Generator().manual_seed(seed)
+    blocks_per = [(n + block_size - 1) // block_size for n in seq_lens]
+    max_blocks = max(1, max(blocks_per))
+    num_blocks = sum(blocks_per) + 3
+    perm = torch.randperm(num_blocks, generator=g)
+    table = torch.full((len(seq_lens), max_blocks), -1, dtype=torch.int32)  # -1: padding, never read
+    i = 0
+    for s, nb in enumerate(blocks_per):
+        table[s, :nb] = perm[i : i + nb].to(torch.int32)
+        i += nb
+    k = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g)
+    v = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g)
+    return k, v, table, torch.tensor(seq_lens, dtype=torch.int32)
+
+
+def run_attention(q, k, v, table, lens, scale, q_stride=0):
+    num_seqs = lens.shape[0]
+    num_heads, head_dim = q.shape[1], k.shape[3]
+    out = torch.full((num_seqs, num_heads, head_dim), float("nan"))
+    cpu.attention_decode(q.data_ptr(), k.data_ptr(), v.data_ptr(), table.data_ptr(), lens.data_ptr(), out.data_ptr(),
+                         num_seqs, num_heads, k.shape[2], head_dim, k.shape[1], scale, table.shape[1], q_stride)
+    return out
+
+
+@pytest.mark.parametrize(
+    "seq_lens,num_heads,num_kv_heads,head_dim,block_size",
+    [
+        ([1], 9, 3, 64, 16),
+        ([5, 17, 300, 0, 1], 9, 3, 64, 16),  # 300 > one 256-token partition; 0: empty sequence
+        ([33, 600], 4, 4, 48, 32),  # MHA, head_dim not a multiple of 16, 3 partitions
+        ([70], 8, 1, 20, 7),  # MQA, odd block size
+        ([130, 64], 4, 2, 128, 16),  # head_dim 128
+    ],
+)
+def test_attention_decode(isa, threads, seq_lens, num_heads, num_kv_heads, head_dim, block_size):
+    k, v, table, lens = paged_cache(seq_lens, num_kv_heads, head_dim, block_size)
+    q = torch.randn(len(seq_lens), num_heads, head_dim) * 0.5
+    scale = head_dim**-0.5
+    out = run_attention(q, k, v, table, lens, scale)
+    want = ref.attention_decode(q.double(), k.double(), v.double(), table, lens, scale)
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+    threads(1)
+    assert torch.equal(run_attention(q, k, v, table, lens, scale), out)
+    threads(2)
+    # each sequence alone gives bitwise the same rows as in the batch
+    for s in range(len(seq_lens)):
+        alone = run_attention(q[s : s + 1].contiguous(), k, v, table[s : s + 1].contiguous(), lens[s : s + 1], scale)
+        assert torch.equal(alone, out[s : s + 1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("head_dim", [64, 40])  # the vector path and the generic one
+def test_attention_decode_low_precision_cache(isa, dtype, head_dim):
+    k, v, table, lens = paged_cache([5, 130, 70], 2, head_dim, 16)
+    k, v = k.to(dtype), v.to(dtype)
+    q = torch.randn(3, 6, head_dim) * 0.5
+    scale = head_dim**-0.5
+    out = torch.empty(3, 6, head_dim)
+    cpu.attention_decode(q.data_ptr(), k.data_ptr(), v.data_ptr(), table.data_ptr(), lens.data_ptr(), out.data_ptr(),
+                         3, 6, 2, head_dim, 16, scale, table.shape[1], 0, str(dtype).split(".")[1])
+    want = ref.attention_decode(q.double(), k.double(), v.double(), table, lens, scale)  # the cached values, exactly
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+    from churon.kernels import ops
+
+    assert torch.equal(ops.attention_decode(q, k, v, table, lens, scale), out)
+
+
+def test_attention_strided_q(isa):
+    # q read straight out of a fused qkv row (q_stride = (9 + 3 + 3) * 64)
+    k, v, table, lens = paged_cache([40, 3], 3, 64, 16)
+    qkv = torch.randn(2, 960)
+    q = qkv[:, :576].reshape(2, 9, 64)
+    out = torch.empty(2, 9, 64)
+    cpu.attention_decode(qkv.data_ptr(), k.data_ptr(), v.data_ptr(), table.data_ptr(), lens.data_ptr(),
+                         out.data_ptr(), 2, 9, 3, 64, 16, 0.125, table.shape[1], 960)
+    assert torch.equal(out, run_attention(q.contiguous(), k, v, table, lens, 0.125))
+
+
+def test_attention_rejects_bad_lengths():
+    k, v, table, lens = paged_cache([20], 1, 16, 16)
+    lens[0] = 33  # needs 3 blocks, the table has 2
+    with pytest.raises(ValueError, match="does not fit"):
+        run_attention(torch.randn(1, 1, 16), k, v, table, lens, 0.25)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_pool_survives_fork(threads):
+    # a forked child (e.g. a server worker) must not wait for the parent's pool threads
+    threads(2)
+    raw = weight_bytes(T.Q8_0, 64, 256)
+    q = cpu.QMatrix(raw, int(T.Q8_0), 64, 256)
+    x = activations(3, 256)
+    want = matmul(q, x)
+    pid = os.fork()
+    if pid == 0:  # child: run parallel kernels, exit 0 if they agree
+        ok = torch.equal(matmul(q, x), want) and cpu.get_num_threads() == 2
+        os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+    assert torch.equal(matmul(q, x), want)
+
+
+# ---------------------------------------------------------------------------
+# the tensor-level wrappers
+
+
+def test_ops_wrappers():
+    from churon.kernels import ops
+
+    raw = weight_bytes(T.Q4_1, 40, 64)
+    m = ops.QuantizedMatrix(raw, int(T.Q4_1), 40, 64)
+    x = activations(2, 64)
+    y = m(x)
+    assert y.shape == (2, 40)
+    assert torch.equal(m.dequantize(), dequantize(raw, T.Q4_1, (40, 64)))
+    with pytest.raises(ValueError, match="features"):
+        m(torch.zeros(1, 32))
+    with pytest.raises(ValueError, match="contiguous"):
+        m(torch.zeros(64, 2).T)
+    w = torch.randn(64)
+    torch.testing.assert_close(ops.rms_norm(x, w, 1e-5), ref.rms_norm(x, w, 1e-5), rtol=1e-5, atol=1e-5)
+    k, v, table, lens = paged_cache([3, 9], 2, 16, 4)
+    q = torch.randn(2, 4, 16)
+    torch.testing.assert_close(ops.attention_decode(q, k, v, table, lens, 0.25),
+                               ref.attention_decode(q, k, v, table, lens, 0.25), rtol=1e-5, atol=1e-5)

@@ -1,0 +1,94 @@
+"""The whole model on the native kernels: close to the reference path, and each token's logits
+bit for bit the same whatever else shares its batch, however its prompt is chunked."""
+
+import pytest
+import torch
+
+from churon import kernels
+from churon.kv_cache import PagedKVCache
+from churon.loader import load_model
+from churon.model.batch import ForwardBatch, SequenceChunk
+from tiny_models import ARCHS, make_hf_model, write_gguf
+
+pytestmark = pytest.mark.skipif(not kernels.native_available(), reason=kernels.reason)
+
+PROMPT = [5, 17, 42, 99, 3, 250, 7, 64, 128, 11, 300, 8, 19, 23, 77, 150, 201, 33]
+
+# Relative to the largest reference logit. Float weights keep float32 activations: only the
+# summation order differs. Quantized weights meet 8-bit activations (as in llama.cpp): on these
+# tiny random models, whose logits swing with every input, that moves logits by a few percent.
+TOLERANCE = {"hf": 1e-4, "F32": 1e-4, "F16": 1e-4, "Q8_0": 0.05, "Q4_0": 0.05, "Q4_1": 0.05}
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def hf_dir(request, tmp_path_factory):
+    return make_hf_model(request.param, tmp_path_factory.mktemp(request.param))
+
+
+def model_path(hf_dir, qtype, tmp_path):
+    return hf_dir if qtype == "hf" else write_gguf(hf_dir, tmp_path / f"m-{qtype}.gguf", qtype)
+
+
+@pytest.mark.parametrize("qtype", list(TOLERANCE))
+def test_native_logits_are_close_to_the_reference_path(hf_dir, qtype, tmp_path):
+    path = model_path(hf_dir, qtype, tmp_path)
+    native, _, _ = load_model(path, kernels="native")
+    reference, _, _ = load_model(path, kernels="reference")
+    assert native.backend.name == "native" and reference.backend.name == "reference"
+    tokens = torch.tensor(PROMPT)
+    want = reference(tokens, 0, reference.new_cache(64), all_logits=True)
+    got = native(tokens, 0, native.new_cache(64), all_logits=True)
+    scale = want.abs().max()
+    assert (got - want).abs().max() <= TOLERANCE[qtype] * scale
+    # decode steps through the cache agree too
+    cache_n, cache_r = native.new_cache(64), reference.new_cache(64)
+    native(tokens, 0, cache_n)
+    reference(tokens, 0, cache_r)
+    for step, token in enumerate([9, 99, 199]):
+        t = torch.tensor([token])
+        assert (native(t, len(PROMPT) + step, cache_n) - reference(t, len(PROMPT) + step, cache_r)).abs().max() <= TOLERANCE[qtype] * scale
+
+
+def run(model, chunks_per_step, cache):
+    """Run a list of steps (each a list of SequenceChunk); logits rows of every step, concatenated."""
+    return [model.forward_batch(ForwardBatch.build(chunks, cache.block_size), cache) for chunks in chunks_per_step]
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "F16"])
+def test_a_tokens_logits_do_not_depend_on_the_batch_or_the_chunking(hf_dir, qtype, tmp_path):
+    model, _, _ = load_model(model_path(hf_dir, qtype, tmp_path), kernels="native")
+    cache = PagedKVCache(model.config, num_blocks=64, block_size=4)
+    seq = PROMPT + [31, 41]
+    table_a = list(range(0, 8))
+    # alone, whole prompt in one step, every position's logits
+    alone = run(model, [[SequenceChunk(seq, 0, table_a, all_logits=True)]], cache)[0]
+    # in chunks of 5, 7, 8 tokens, each step beside two other sequences of other lengths
+    others = [[3, 4, 5] * 5, [7] * 11]
+    table_b, table_c = list(range(8, 16)), list(range(16, 24))
+    steps, start = [], 0
+    for size in (5, 7, 8):
+        steps.append([
+            SequenceChunk(others[0][: min(15, start + size)], min(start, 14), table_b),
+            SequenceChunk(seq[: start + size], start, table_a, all_logits=True),
+            SequenceChunk(others[1][: min(11, start + size)], min(start, 10), table_c),
+        ])
+        start += size
+    rows = []
+    for out, chunks in zip(run(model, steps, cache), steps):
+        # logits rows come in flat order: other seq's last token, then this seq's tokens, then the other's last
+        rows.append(out[1 : 1 + len(chunks[1].token_ids) - chunks[1].start])
+    assert torch.equal(torch.cat(rows), alone)
+
+
+def test_results_do_not_depend_on_the_thread_count(hf_dir, tmp_path):
+    model, _, _ = load_model(model_path(hf_dir, "Q4_0", tmp_path), kernels="native")
+    tokens = torch.tensor(PROMPT)
+    threads = kernels.cpu.get_num_threads()
+    try:
+        outs = []
+        for n in (1, 2, 3):
+            kernels.cpu.set_num_threads(n)
+            outs.append(model(tokens, 0, model.new_cache(64), all_logits=True))
+    finally:
+        kernels.cpu.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
