@@ -11,11 +11,16 @@ SmolLM2-135M-Instruct Q4_1, the same GGUF and thread count for every engine.
      llama.cpp          llama-cpp-python's low-level API: one llama_batch carrying several sequences
                         (one seq_id each), llama_decode, greedy argmax over llama_get_logits_ith in numpy;
                         --llamacpp-parallel slots, a finished slot takes the next waiting prompt (as
-                        llama-server does). A few requests are rerun one at a time in the same context:
-                        their tokens must equal the batched ones, and their rate shows the batching gain.
+                        llama-server does). A few requests are rerun one at a time in the same context: their
+                        rate shows the batching gain, and their tokens are compared with the batched ones
+                        (llama.cpp's rounding depends on the batch, so a greedy near-tie may flip after some
+                        dozens of tokens: the output gives where and the logit gap there; mixed-up sequences
+                        would differ at once and by a wide gap).
    Ratios: churon batched / churon sequential (target >= 4x) and churon batched / llama.cpp best (>= 1.5x).
 2. Peak resident memory (ru_maxrss) per row: every engine setting runs in a subprocess of its own
-   (this script with --only PHASE), so each peak is that phase's alone.
+   (this script with --only PHASE), so each peak is that phase's alone. The CPU % column is the share of
+   --threads cores each timed phase got (CPU time / wall / threads): well under 100 flags a run slowed by
+   other work on the machine.
 3. Prefix cache. 16 requests sharing a 512-token system prompt plus a distinct ~20-token user part,
    max_tokens=1: time to first token (arrival -> first token, mean and p50) and total wall time, prefix
    cache on vs off, with requests arriving one after another (each once the previous finished) and all at
@@ -109,17 +114,20 @@ def first_equal(a: list[int], b: list[int]) -> int:
 
 def build_workload(args) -> dict:
     """Token-id prompts for every phase, tokenized by churon's tokenizer (read from the GGUF, no weights)."""
+    from churon.config import EngineConfig
     from churon.loader import open_model
 
     source = open_model(args.model)
     tokenizer = source.load_tokenizer()
-    texts = [(TEXT_DIR / n).read_text(encoding="utf-8", errors="replace") for n in TEXT_FILES if (TEXT_DIR / n).exists()]
+    files = [TEXT_DIR / name for name in TEXT_FILES if (TEXT_DIR / name).exists()]
+    texts = [f.read_text(encoding="utf-8", errors="replace") for f in files]
     text = "\n\n".join(texts) if texts else FALLBACK_TEXT
     tokens = tokenizer.encode(text, add_bos=False)
 
     n, length = args.num_requests, args.prompt_len
     if len(tokens) < length + n:
-        raise SystemExit(f"the benchmark text has {len(tokens)} tokens: too few for {n} distinct {length}-token prompts")
+        raise SystemExit(f"the benchmark text has {len(tokens)} tokens: too few for {n} distinct {length}-token"
+                         " prompts; lower --num-requests or --prompt-len")
     stride = min(length, (len(tokens) - length) // n)  # non-overlapping when the text is long enough
     prompts = [tokens[i * stride : i * stride + length] for i in range(n)]
 
@@ -129,8 +137,9 @@ def build_workload(args) -> dict:
     need = 2 * s + k * u
     if len(tokens) < need:
         raise SystemExit(f"the benchmark text has {len(tokens)} tokens: too few for the prefix workload ({need})")
-    systems = [tokens[len(tokens) - need : len(tokens) - need + s], tokens[len(tokens) - need + s : len(tokens) - need + 2 * s]]
-    users = [tokens[len(tokens) - k * u + i * u : len(tokens) - k * u + (i + 1) * u] for i in range(k)]
+    tail = tokens[len(tokens) - need :]  # from the end of the text, away from the throughput prompts
+    systems = [tail[:s], tail[s : 2 * s]]
+    users = [tail[2 * s + i * u : 2 * s + (i + 1) * u] for i in range(k)]
     warmup = tokens[::-1][: max(length, s + u) + 8]  # reversed text: no prefix in common with any prompt
     return {
         "prompts": prompts,
@@ -138,19 +147,21 @@ def build_workload(args) -> dict:
         "warmup": warmup,
         "text_tokens": len(tokens),
         "kv_bytes_per_token_fp32": source.config.kv_bytes_per_token(4),
-        "block_size_hint": 16,
+        "block_size_hint": EngineConfig().block_size,
     }
 
 
 # ---------------------------------------------------------------- churon phases
 
-def churon_llm(args, workload: dict, max_num_seqs: int, seq_len: int, concurrent: int, enable_prefix_caching: bool = True):
+def churon_llm(args, workload: dict, max_num_seqs: int, seq_len: int, concurrent: int,
+               enable_prefix_caching: bool = True):
     """An LLM for one phase. With --kv-cache-memory auto its KV cache holds `concurrent` sequences of seq_len tokens."""
     from churon import LLM
 
     options = {"max_num_seqs": max_num_seqs, "enable_prefix_caching": enable_prefix_caching}
     if args.kv_cache_memory == "auto":
-        bytes_per_token = workload["kv_bytes_per_token_fp32"] * (2 if args.churon_dtype in ("bfloat16", "bf16") else 4) // 4
+        itemsize = 2 if args.churon_dtype in ("bfloat16", "bf16") else 4  # the KV cache takes the model's dtype
+        bytes_per_token = workload["kv_bytes_per_token_fp32"] * itemsize // 4
         block = workload["block_size_hint"]
         seq_tokens = block * math.ceil((seq_len + 1) / block)
         options["kv_cache_memory"] = (concurrent + 1) * seq_tokens * bytes_per_token  # one sequence of slack
@@ -335,8 +346,13 @@ class LlamaCppBatched:
         ptr = self.L.llama_get_logits_ith(self.ctx, i)
         return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
 
-    def generate(self, prompts: list[list[int]], max_tokens: int, parallel: int | None = None) -> list[list[int]]:
-        """Greedy outputs, prompts admitted into free slots in order; at most `parallel` run at once."""
+    def generate(self, prompts: list[list[int]], max_tokens: int, parallel: int | None = None,
+                 reference: list[list[int]] | None = None) -> list[list[int]]:
+        """Greedy outputs, prompts admitted into free slots in order; at most `parallel` run at once.
+
+        reference: other greedy outputs of the same prompts; self.divergence gets, for each request, the first
+        token where this run's argmax differs from the reference and by how much its logit beats the reference
+        token's there (a small gap: a near-tie decided by rounding, not sequences mixed up)."""
         from collections import deque
 
         L, batch = self.L, self.batch
@@ -344,6 +360,7 @@ class LlamaCppBatched:
         L.llama_memory_clear(self.mem, True)
         # seconds in llama_decode calls that carried prompt tokens, and in those that carried only decode tokens
         self.stats = {"mixed_or_prefill_seconds": 0.0, "decode_only_seconds": 0.0, "decode_only_tokens": 0}
+        self.divergence: dict[int, dict] = {}
         waiting = deque(range(len(prompts)))
         slots: list[dict | None] = [None] * parallel
         outputs: list[list[int]] = [[] for _ in prompts]
@@ -390,11 +407,19 @@ class LlamaCppBatched:
             else:
                 self.stats["mixed_or_prefill_seconds"] += dt
             if rc != 0:
-                raise RuntimeError(f"llama_decode returned {rc} ({n} tokens, {sum(x is not None for x in slots)} sequences)")
+                running = sum(x is not None for x in slots)
+                raise RuntimeError(f"llama_decode returned {rc} ({n} tokens, {running} sequences)")
             for i, s in sample:
                 st = slots[s]
-                token = int(self._logits(i).argmax())
+                logits = self._logits(i)
+                token = int(logits.argmax())
                 out = outputs[st["req"]]
+                ref = reference[st["req"]] if reference is not None else None
+                first_difference = ref is not None and len(out) < len(ref) and ref[len(out)] != token
+                if first_difference and st["req"] not in self.divergence:
+                    gap = float(logits[token] - logits[ref[len(out)]])
+                    self.divergence[st["req"]] = {"token_index": len(out), "logit_gap": gap,
+                                                  "gap_over_logit_range": gap / float(logits.max() - logits.min())}
                 out.append(token)
                 st["last"] = token
                 if len(out) >= max_tokens:
@@ -425,8 +450,9 @@ def phase_llamacpp(args, workload: dict, parallel: int, kv_unified: bool) -> dic
     # sanity: a few requests alone (one sequence in the batch) give the same greedy tokens, and far fewer tokens/s
     k = min(args.llamacpp_check, len(prompts))
     t1 = time.perf_counter()
-    singles = lc.generate(prompts[:k], args.max_tokens, parallel=1) if k else []
+    singles = lc.generate(prompts[:k], args.max_tokens, parallel=1, reference=outs[:k]) if k else []
     single_wall = time.perf_counter() - t1
+    divergence = [lc.divergence.get(i) for i in range(k)]
     lc.close()
     return {
         "llama_cpp_python_version": llama_cpp.__version__,
@@ -449,6 +475,7 @@ def phase_llamacpp(args, workload: dict, parallel: int, kv_unified: bool) -> dic
         "single_output_tokens_per_second": sum(len(o) for o in singles) / single_wall if k else None,
         "single_equal_leading_tokens": [first_equal(a, b) for a, b in zip(singles, outs)],
         "single_identical": [a == b for a, b in zip(singles, outs)],
+        "single_first_divergence": divergence,
         "rss_after_load_mib": rss_loaded,
         "peak_rss_mib": peak_rss_mib(),
     }
@@ -482,7 +509,8 @@ def run_phase(name: str, args, workload: dict) -> dict:
 
 
 def child_argv(args, phase: str, workload_path: str, result_path: str) -> list[str]:
-    argv = [sys.executable, os.path.abspath(__file__), "--only", phase, "--workload", workload_path, "--result", result_path]
+    argv = [sys.executable, os.path.abspath(__file__), "--only", phase]
+    argv += ["--workload", workload_path, "--result", result_path]
     for flag in ("model", "threads", "prompt_len", "max_tokens", "num_requests", "sequential_requests", "churon_dtype",
                  "kv_cache_memory", "llamacpp_batch", "llamacpp_ubatch", "llamacpp_check", "prefix_max_num_seqs"):
         argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
@@ -497,11 +525,11 @@ def report(args, results: dict, seconds: float, load_before: float) -> dict:
     rows = []  # (engine, setting, tok/s, wall s, CPU %, peak MiB, note)
     batched = {k: v for k, v in results.items() if k.startswith("churon:") and "error" not in v}
     for k, v in batched.items():
-        rows.append(("churon", f"batched, max_num_seqs={k.split(':')[1]}", v["output_tokens_per_second"], v["wall_seconds"],
-                     v["cpu_percent"], v["peak_rss_mib"], f"KV cache {v['kv_cache_mib']:.0f} MiB"))
+        rows.append(("churon", f"batched, max_num_seqs={k.split(':')[1]}", v["output_tokens_per_second"],
+                     v["wall_seconds"], v["cpu_percent"], v["peak_rss_mib"], f"KV cache {v['kv_cache_mib']:.0f} MiB"))
     seq = results.get("sequential")
     if seq and "error" not in seq:
-        note = (f"ran {seq['requests']} of {seq['requests_total']}: wall extrapolated" if seq["extrapolated"] else "all requests")
+        note = f"ran {seq['requests']} of {seq['requests_total']}: wall extrapolated" if seq["extrapolated"] else ""
         rows.append(("churon", "one request at a time", seq["output_tokens_per_second"], seq["wall_seconds"],
                      seq["cpu_percent"], seq["peak_rss_mib"], note))
     lcs = {k: v for k, v in results.items() if k.startswith("llamacpp:") and "error" not in v}
@@ -524,7 +552,8 @@ def report(args, results: dict, seconds: float, load_before: float) -> dict:
     for engine, setting, rate, wall, cpu, rss, note in rows:
         print(f"{engine:<11}{setting:<34}{fmt(rate):>10}{fmt(wall):>9}{fmt(cpu, '.0f'):>7}{fmt(rss, '.0f'):>14}  {note}")
     print(f"(out tok/s: generated tokens / wall time, prompt processing included; CPU %: share of {args.threads} cores"
-          f" the phase got, under 100 when other work competed; peak RSS: ru_maxrss of the phase's own process)")
+          f" the phase got: under 100 when other work competed or the engine left threads idle; peak RSS: ru_maxrss"
+          f" of the phase's own process)")
     for k, v in results.items():
         if "error" in v:
             print(f"{k}: FAILED: {v['error']}")
@@ -546,8 +575,16 @@ def report(args, results: dict, seconds: float, load_before: float) -> dict:
     if best_lc and best_lc["single_requests"]:
         r = best_lc["output_tokens_per_second"] / best_lc["single_output_tokens_per_second"]
         ratios["llamacpp_batched_over_single"] = r
-        print(f"llama.cpp batched / one at a time  : {r:6.2f}x   (shows its batch really runs together); greedy tokens "
-              f"alone vs batched, leading tokens equal: {best_lc['single_equal_leading_tokens']} of {args.max_tokens}")
+        print(f"llama.cpp batched / one at a time  : {r:6.2f}x   (shows its batch really runs together)")
+        print(f"llama.cpp greedy tokens alone vs batched, leading tokens equal: {best_lc['single_equal_leading_tokens']}"
+              f" of {args.max_tokens}")
+        for i, d in enumerate(best_lc.get("single_first_divergence") or []):
+            if d:
+                near_tie = d["gap_over_logit_range"] < 0.01
+                print(f"  request {i}: first differs at token {d['token_index']}, where the alone run's top logit beats the"
+                      f" batched run's token by {d['logit_gap']:.4f} ({100 * d['gap_over_logit_range']:.3f}% of the logit"
+                      f" range): " + ("a near-tie flipped by batch-dependent rounding, not sequences mixed up" if near_tie
+                                      else "NOT a near-tie: check that sequences are kept apart"))
     if best_churon and seq and "error" not in seq:
         pairs = list(zip(seq["check_token_ids"], best_churon["check_token_ids"]))
         same = [first_equal(a, b) for a, b in pairs]
@@ -614,7 +651,9 @@ def main() -> None:
     parser.add_argument("--prefix-max-num-seqs", type=int, default=16)
     parser.add_argument("--json", type=Path, default=None, help="write every result here")
     parser.add_argument("--only", default=None, metavar="PHASE",
-                        help="run one phase in this process: churon:N, sequential, llamacpp:N[:u|s], prefix")
+                        help="run one phase in this process and print its results: churon:N (max_num_seqs), sequential,"
+                             " llamacpp:N[:u|s] (parallel sequences; u: unified KV), prefix. Alone, it tokenizes the"
+                             " workload itself, which adds torch and the tokenizer to its peak RSS")
     parser.add_argument("--workload", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--result", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -668,16 +707,21 @@ def main() -> None:
     seconds = time.perf_counter() - t_start
     summary = report(args, results, seconds, load_before)
     if args.json:
-        import llama_cpp
-        import torch
+        from importlib.metadata import PackageNotFoundError, version
+
+        def package_version(name: str) -> str | None:
+            try:
+                return version(name)
+            except PackageNotFoundError:
+                return None
 
         config = {k: v for k, v in vars(args).items() if k not in ("json", "only", "workload", "result")}
         args.json.write_text(json.dumps({
             "benchmark": "bench_batching",
             "model": Path(args.model).name,
             "config": config,
-            "torch_version": torch.__version__,
-            "llama_cpp_python_version": llama_cpp.__version__,
+            "torch_version": package_version("torch"),
+            "llama_cpp_python_version": package_version("llama_cpp_python"),
             "machine": platform.processor() or platform.machine(),
             "cpus": os.cpu_count(),
             "phases": {k: {kk: vv for kk, vv in v.items() if kk != "check_token_ids"} for k, v in results.items()},

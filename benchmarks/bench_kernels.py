@@ -222,6 +222,7 @@ def main() -> None:
     ap.add_argument("--ws-mib", type=int, default=160, help="working set per measurement (MiB)")
     ap.add_argument("--passes", type=int, default=5)
     ap.add_argument("--no-torch", action="store_true")
+    ap.add_argument("--torch-threads", type=int, default=None, help="torch.set_num_threads for the torch rows")
     ap.add_argument("--json", default=None)
     ap.add_argument("--decode", default=None, metavar="GGUF",
                     help="instead: time whole decode steps of this GGUF through the kernel API")
@@ -234,6 +235,8 @@ def main() -> None:
     if not kernels.native_available():
         raise SystemExit(f"no native kernels: {kernels.reason}")
     cpu = kernels.cpu
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
     if args.isa:
         cpu.set_isa(args.isa)
     if args.decode:

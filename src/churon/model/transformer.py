@@ -122,4 +122,4 @@ class Transformer:
                 h = b.add_rms_norm(x, down, self.layers[i + 1].input_norm, eps)
         rows = batch.logits_indices
         h = b.add_rms_norm(x[rows], down[rows], self.norm, eps)
-        return b.linear(self.lm_head, h).float()
+        return b.linear_precise(self.lm_head, h).float()

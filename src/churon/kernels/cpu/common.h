@@ -45,14 +45,18 @@ enum QType : int {
 //   Q4_0  unit 32 cols, 288 B: nibbles[256] | d f16[16]
 //   Q4_1  unit 32 cols, 320 B: nibbles[256] | d f16[16] | m f16[16]
 //   Q8_0  unit 32 cols, 544 B: bytes[512] (8 vectors, vector j = columns 4j..4j+3, code+128) | d f16[16]
-//   Q4_K  unit 256 cols, 2368 B: nibbles[8 sub-blocks][256] | d f16[16] | dmin f16[16]
-//         | sc u8[8][16] | mn u8[8][16]
-//   Q5_K  unit 256 cols, 2880 B: as Q4_K, then qh u64[8 sub-blocks][8 vectors]: bit i of mask v
-//         is the 5th bit of byte i of unpacked vector v (v 0..3: low-nibble vectors, 4..7: high)
-//   Q6_K  unit 256 cols, 3360 B: nibbles[8][256] | hbits[8][2][64] | sc i8[16][16] | d f16[16]
-//         hbits[s][h] byte i, bits 2k..2k+1: the top two bits of byte i of the unpacked vector
-//         k of half h (h 0: low-nibble vectors, 1: high-nibble vectors) of sub-block s.
-//         sc[2s + h][r]: the scale of row r, columns 32s + 16h .. 32s + 16h + 15.
+//   K-quants: a unit is a head (per-row fp16 super-block scales) and 8 sub-blocks of 32
+//   columns, each holding everything it needs, so that a unit is read strictly front to back
+//   (a layout with separate scale / high-bit regions read Q5_K and Q6_K at a third of the
+//   memory bandwidth: the hardware prefetchers lost track of the interleaved streams).
+//   Q4_K  unit 256 cols, 2368 B: d f16[16] | dmin f16[16] | 8 x [nibbles 256 | sc u8[16] | mn u8[16]]
+//   Q5_K  unit 256 cols, 2880 B: d f16[16] | dmin f16[16] | 8 x [nibbles 256 | qh u64[8] | sc[16] | mn[16]]
+//         qh mask v: bit i is the 5th bit of byte i of unpacked vector v (v 0..3: low-nibble
+//         vectors, 4..7: high-nibble vectors)
+//   Q6_K  unit 256 cols, 3360 B: d f16[16] | 8 x [nibbles 256 | hbits[2][64] | sc i8[2][16]]
+//         hbits[h] byte i, bits 2k..2k+1: the top two bits of byte i of unpacked vector k of
+//         half h (h 0: low-nibble vectors, 1: high-nibble vectors); sc[h][r]: the scale of row
+//         r, columns 16h .. 16h + 15 of the sub-block.
 //   F32, F16, BF16: the GGUF rows unchanged (row-major), no groups in memory.
 constexpr int kGroupRows = 16;
 constexpr int kActBlock = 32;  // activations are quantized in blocks of 32 values
@@ -66,7 +70,6 @@ struct QWeights {
   int64_t unit_bytes = 0;  // bytes of one group-unit (float types: bytes of one row)
   int64_t group_bytes = 0; // nunits * unit_bytes (float types: 16 rows)
   const uint8_t* data = nullptr;
-  int64_t prefetch = 0;    // software prefetch distance in bytes (0: none)
 };
 
 // Activations quantized to 8 bits, per 32 values: q = round_half_even(x / d) with
@@ -87,7 +90,6 @@ struct AttnArgs {
   const void* k_cache;       // [num_blocks, block_size, num_kv_heads, head_dim] of kv_dtype
   const void* v_cache;
   int kv_dtype;              // kKvF32, kKvF16, kKvBF16
-  bool prefetch;             // software-prefetch the next positions' cache rows
   const int32_t* block_table;  // [num_seqs, max_blocks]
   const int32_t* seq_lens;     // [num_seqs]
   float* out;                // [num_seqs, num_heads * head_dim]
@@ -227,6 +229,14 @@ static inline uint64_t load_u64(const uint8_t* p) {
   std::memcpy(&v, p, 8);
   return v;
 }
+
+// K-quant unit layout: head bytes, sub-block stride, offsets inside a sub-block
+static constexpr int kq_head(int qt) { return qt == kQ6_K ? 32 : 64; }
+static constexpr int kq_sb(int qt) { return qt == kQ4_K ? 288 : qt == kQ5_K ? 352 : 416; }
+static constexpr int kq_sc(int qt) { return qt == kQ4_K ? 256 : qt == kQ5_K ? 320 : 384; }
+static constexpr int kq_mn(int qt) { return kq_sc(qt) + 16; }  // Q4_K, Q5_K
+constexpr int kQ5Qh = 256;   // Q5_K qh masks inside a sub-block
+constexpr int kQ6Hb = 256;   // Q6_K high bits inside a sub-block
 
 // unit geometry of the repacked layout
 static inline int64_t unit_cols_of(int qtype) {
