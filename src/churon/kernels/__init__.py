@@ -14,7 +14,8 @@ The raw API (all tensors float32 and C-contiguous unless said; pointers are ints
 
     isa() -> str; available_isas() -> list[str]; set_isa(name)      # 'avx512' | 'avx2' | 'scalar'
     set_num_threads(n); get_num_threads(); set_spin_us(us); get_spin_us()
-    QMatrix(raw: uint8 buffer, qtype: int, rows, cols)               # GGUF bytes of a [rows, cols] weight
+    QMatrix(raw: uint8 buffer, qtype: int, rows, cols)               # GGUF bytes of a [rows, cols] weight;
+                                                                     # qtype F32 F16 BF16 Q4_0 Q4_1 Q8_0 Q4_K Q5_K Q6_K
         .matmul(x_ptr, y_ptr, m, bias_ptr=0)                         # y[m, rows] = x[m, cols] @ W.T (+ bias)
         .dequantize(out_ptr) / .dequantize_bf16(out_ptr)             # [rows, cols] float32 / bfloat16
         .dequantize_rows(ids_ptr, n, out_ptr)                        # embedding lookup, ids int64 [n]
@@ -31,8 +32,28 @@ The raw API (all tensors float32 and C-contiguous unless said; pointers are ints
                      num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale,
                      max_blocks_per_seq, q_stride=0, kv_dtype="float32")   # cache float32/float16/bfloat16
     read_bytes(ptr, nbytes, repeat=1)                                # memory-bandwidth probe
+    pool_stats(reset=False) -> [jobs, items, caller_items, wait_ns, long_waits, solo_jobs]
 
 churon.kernels.ops wraps the same calls for torch tensors, with checks.
+
+Numerics: weights are repacked at construction (16 rows interleaved, see cpu/common.h);
+activations are quantized on the fly to 8 bits per 32 values (reference.quantize_activations,
+bitwise) and multiplied with integer dot products (AVX-512 VNNI, AVX2 maddubs, or scalar).
+Every output row is computed by the same operations whatever the thread count, the rows it is
+batched with (M) or the thread that runs it: results are batch-invariant and reproducible.
+
+Threads: churon has its own pool (not OpenMP): `set_num_threads(n)` counts the calling thread;
+the default is the CPUs this process may use (or CHURON_NUM_THREADS). Idle workers spin for
+`get_spin_us()` (300 us; CHURON_SPIN_US) between calls, giving their CPU away between polls,
+then sleep. When the workers get almost no CPU time (other processes on the cores) the caller
+runs jobs alone for a while. The GIL is held during every call (calls are short).
+Torch's own OpenMP threads spin after each parallel torch op and then compete with churon's
+workers for the same cores: keep torch ops out of a native decode loop, or run torch with
+torch.set_num_threads(1) (or OMP_WAIT_POLICY=PASSIVE in the environment) while the native
+kernels do the heavy work.
+
+Environment at import: CHURON_ISA=avx512|avx2|scalar forces an ISA (a value the CPU cannot run
+is reported with a warning and ignored); CHURON_NUM_THREADS; CHURON_SPIN_US.
 """
 
 from __future__ import annotations
