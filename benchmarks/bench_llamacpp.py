@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import inspect
 import io
 import json
 import os
@@ -56,15 +55,11 @@ def median_rate(fn, repeats: int) -> tuple[float, list[float]]:
 # ---------------------------------------------------------------- churon
 
 def churon_llm(path: Path, args) -> tuple[LLM, dict]:
-    kwargs: dict = {"dtype": args.churon_dtype, "threads": args.threads}
-    notes = {}
-    if args.kernels is not None:
-        if "kernels" in inspect.signature(LLM.__init__).parameters:
-            kwargs["kernels"] = args.kernels
-        else:
-            notes["kernels"] = f"--kernels {args.kernels!r} ignored: this churon's LLM() has no kernels= keyword"
-            print(notes["kernels"])
-    return LLM(path, **kwargs), {"kwargs": {k: v for k, v in kwargs.items()}, **notes}
+    # no prefix cache: every timed prefill computes its whole prompt, as llama.cpp's does after reset()
+    kwargs: dict = {"dtype": args.churon_dtype, "threads": args.threads, "kernels": args.kernels,
+                    "enable_prefix_caching": False}
+    llm = LLM(path, **kwargs)
+    return llm, {"kwargs": kwargs, "backend": llm.model.backend.name}
 
 
 def churon_pp(llm: LLM, prompt: list[int]) -> float:
@@ -142,7 +137,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--churon-dtype", default="float32")
-    parser.add_argument("--kernels", default=None, help="passed to LLM(kernels=...) when churon accepts it")
+    parser.add_argument("--kernels", default="auto", choices=["auto", "native", "reference"], help="churon's kernels")
     parser.add_argument("--no-transformers", action="store_true")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     args = parser.parse_args()
@@ -195,7 +190,7 @@ def main() -> None:
         ratios["churon/transformers-bf16 pp512"] = results["churon"]["pp512"] / results["transformers bf16"]["pp512"]
 
     print(f"\nSmolLM2-135M-Instruct Q4_1, {args.threads} threads, batch 1, median of {args.repeats}; "
-          f"churon {args.churon_dtype}" + (f", kernels={args.kernels}" if args.kernels else ""))
+          f"churon {args.churon_dtype}, kernels={args.kernels}")
     print(f"{'tok/s':<20}" + "".join(f"{k:>10}" for k in names))
     for engine, row in results.items():
         print(f"{engine:<20}" + "".join(f"{row[k]:>10.1f}" if k in row else f"{'-':>10}" for k in names))

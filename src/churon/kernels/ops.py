@@ -53,7 +53,9 @@ class QuantizedMatrix:
         self.q = _cpu().QMatrix(np.ascontiguousarray(raw).reshape(-1).view(np.uint8), int(qtype), int(rows), int(cols))
         self.rows, self.cols = int(rows), int(cols)
 
-    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+                 precise: bool = False) -> torch.Tensor:
+        """x @ W.T (+ bias); precise: activations at ~16 bits (x = hi + lo, each quantized to 8 bits)."""
         _check(x, "x")
         if x.shape[-1] != self.cols:
             raise ValueError(f"x has {x.shape[-1]} features, the matrix has {self.cols} columns")
@@ -63,7 +65,7 @@ class QuantizedMatrix:
             _check(bias, "bias")
             if bias.numel() != self.rows:
                 raise ValueError(f"bias has {bias.numel()} values, expected {self.rows}")
-        self.q.matmul(x.data_ptr(), y.data_ptr(), m, bias.data_ptr() if bias is not None else 0)
+        self.q.matmul(x.data_ptr(), y.data_ptr(), m, bias.data_ptr() if bias is not None else 0, precise)
         return y
 
     def dequantize(self) -> torch.Tensor:

@@ -49,6 +49,15 @@ def dequantize_activations(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     return (q.double().reshape(m, -1, Q8_BLOCK) * d.double().unsqueeze(-1)).reshape(m, cols)
 
 
+def split_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x = hi + lo as the `precise` matmul splits it: hi = q * d (float32) from
+    quantize_activations, lo = x - hi (float32); the kernel then quantizes lo in turn."""
+    m, cols = x.shape
+    q, d = quantize_activations(x)
+    hi = (q.float().reshape(m, -1, Q8_BLOCK) * d.unsqueeze(-1)).reshape(m, cols)
+    return hi, x.float() - hi
+
+
 def qmatmul_q8(raw: np.ndarray, qtype: GGMLQuantizationType | int, rows: int, cols: int,
                x: torch.Tensor) -> torch.Tensor:
     """What the integer kernels compute, in float64: the 8-bit activations of

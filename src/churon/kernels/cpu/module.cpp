@@ -140,7 +140,7 @@ struct Buffer {
 };
 
 // scratch for quantized activations and attention partials (calls are serialized by the GIL)
-Buffer g_act_buf, g_attn_buf;
+Buffer g_act_buf, g_attn_buf, g_precise_buf;
 
 ActQ make_act(int64_t m, int64_t cols) {
   ActQ a;
@@ -168,6 +168,15 @@ template <class T>
 T* ptr(uintptr_t v, const char* what) {
   if (v == 0) throw std::invalid_argument(std::string(what) + " is a null pointer");
   return reinterpret_cast<T*>(v);
+}
+
+// quantize activation rows [0, m) of x into a (in parallel when there are many)
+void quantize_rows(const KernelTable* k, const float* x, int64_t m, const ActQ& a) {
+  if (m * a.cols >= (1 << 16))
+    parallel_for(m, std::max<int64_t>(1, m / (8 * get_num_threads())),
+                 [&](int64_t b, int64_t e, int) { k->quantize_act(x, b, e, a); });
+  else
+    k->quantize_act(x, 0, m, a);
 }
 
 // chunk so that each thread gets several chunks (load balance when a core is busy)
@@ -427,25 +436,49 @@ class QMatrix {
 
   bool quantized() const { return !(w_.qtype == kF32 || w_.qtype == kF16 || w_.qtype == kBF16); }
 
-  void matmul(uintptr_t xp, uintptr_t yp, int64_t m, uintptr_t biasp) {
+  void matmul(uintptr_t xp, uintptr_t yp, int64_t m, uintptr_t biasp, bool precise) {
     if (m < 0) throw std::invalid_argument("matmul: m must be >= 0");
     if (m == 0) return;
     const float* x = ptr<const float>(xp, "matmul: x");
     float* y = ptr<float>(yp, "matmul: y");
     const float* bias = biasp ? reinterpret_cast<const float*>(biasp) : nullptr;
     const KernelTable* k = kt();
-    ActQ a;
-    if (quantized()) {
-      a = make_act(m, w_.cols);
-      if (m * w_.cols >= (1 << 16)) {
-        parallel_for(m, chunk_for(m), [&](int64_t b, int64_t e, int) { k->quantize_act(x, b, e, a); });
-      } else {
-        k->quantize_act(x, 0, m, a);
-      }
-    }
     const QWeights& w = w_;
     const int64_t ng = w_.ngroups;
-    parallel_for(ng, kMatmulGrain, [&](int64_t b, int64_t e, int) { k->gemm(w, a, x, m, y, bias, b, e); });
+    if (!quantized()) {
+      parallel_for(ng, kMatmulGrain, [&](int64_t b, int64_t e, int) { k->gemm(w, ActQ(), x, m, y, bias, b, e); });
+      return;
+    }
+    const int64_t cols = w_.cols;
+    const int64_t mq = precise ? 2 * m : m;  // precise: rows of hi parts, then rows of lo parts
+    ActQ a = make_act(mq, cols);
+    quantize_rows(k, x, m, a);
+    if (!precise) {
+      parallel_for(ng, kMatmulGrain, [&](int64_t b, int64_t e, int) { k->gemm(w, a, x, m, y, bias, b, e); });
+      return;
+    }
+    // x = hi + lo: hi = q * d, the 8-bit codes just made; lo = x - hi, quantized in turn at its
+    // own (~127x finer) scale; one matmul over both (the weights are read once), then summed.
+    g_precise_buf.reserve(size_t(m * cols + mq * w_.rows) * 4 + 64);
+    float* lo = reinterpret_cast<float*>(g_precise_buf.p);
+    float* y2 = lo + m * cols;
+    for (int64_t i = 0; i < m; ++i)
+      for (int64_t c = 0; c < cols; ++c)
+        lo[i * cols + c] = x[i * cols + c] - float(a.q[i * cols + c]) * a.d[i * a.nb + c / kActBlock];
+    ActQ b = a;  // the view of rows m .. 2m - 1
+    b.m = m;
+    b.q += m * cols;
+    b.d += m * a.nb;
+    b.s += m * a.nb;
+    b.sum32 += m * a.nb;
+    b.sum16 += 2 * m * a.nb;
+    quantize_rows(k, lo, m, b);
+    parallel_for(ng, kMatmulGrain, [&](int64_t g0, int64_t g1, int) { k->gemm(w, a, nullptr, mq, y2, nullptr, g0, g1); });
+    const int64_t n = m * w_.rows;
+    for (int64_t i = 0; i < n; ++i) {
+      const float v = y2[i] + y2[n + i];
+      y[i] = bias ? v + bias[i % w_.rows] : v;
+    }
   }
 
   void dequantize(uintptr_t outp) {
@@ -742,7 +775,10 @@ PYBIND11_MODULE(_cpu, m) {
       .def_property_readonly("layout", &QMatrix::layout)
       .def_property_readonly("nbytes", &QMatrix::nbytes)
       .def("matmul", &QMatrix::matmul, py::arg("x_ptr"), py::arg("y_ptr"), py::arg("m"), py::arg("bias_ptr") = 0,
-           "y[m, rows] = x[m, cols] @ W^T (+ bias[rows]); float32, C-contiguous.")
+           py::arg("precise") = false,
+           "y[m, rows] = x[m, cols] @ W^T (+ bias[rows]); float32, C-contiguous. precise: activations at ~16"
+           " bits (x = hi + lo, each quantized to 8 bits, one matmul of 2m rows: the same weight traffic,"
+           " about twice the compute); no effect for float weights.")
       .def("dequantize", &QMatrix::dequantize, py::arg("out_ptr"),
            "float32 [rows, cols], bitwise equal to churon.formats.quants.dequantize.")
       .def("dequantize_bf16", &QMatrix::dequantize_bf16, py::arg("out_ptr"),
