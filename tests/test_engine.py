@@ -41,9 +41,9 @@ def sampled(i: int) -> SamplingParams:
     return SamplingParams(temperature=0.9, top_p=0.9, seed=100 + i, max_tokens=24, ignore_eos=True)
 
 
-def alone(model_and_tokenizer, ps, params) -> list[list[int]]:
+def alone(model_and_tokenizer, ps, params, **options) -> list[list[int]]:
     """Each request in an engine of its own: the reference every batched run must equal bit for bit."""
-    return [engine(model_and_tokenizer).generate([p], [sp])[0].token_ids for p, sp in zip(ps, params)]
+    return [engine(model_and_tokenizer, **options).generate([p], [sp])[0].token_ids for p, sp in zip(ps, params)]
 
 
 @pytest.mark.parametrize(
@@ -55,13 +55,16 @@ def alone(model_and_tokenizer, ps, params) -> list[list[int]]:
         {"max_num_batched_tokens": 7},  # prompts run in many small chunks beside decodes
         {"max_num_seqs": 3},
         {"block_size": 4, "kv_cache_memory": 64 * 1024},  # a tiny pool: constant preemption
+        {"kv_dtype": "bfloat16"},
+        {"kv_dtype": "float16", "max_num_batched_tokens": 7},
     ],
-    ids=["default", "no-prefix-cache", "no-chunked-prefill", "small-chunks", "few-seqs", "preemption"],
+    ids=["default", "no-prefix-cache", "no-chunked-prefill", "small-chunks", "few-seqs", "preemption", "bf16-kv", "f16-kv"],
 )
 def test_outputs_do_not_depend_on_the_batch(model_and_tokenizer, options):
     ps = prompts(16, seed=1, shared_prefix=20)
     params = [GREEDY if i % 2 else sampled(i) for i in range(len(ps))]
-    expected = alone(model_and_tokenizer, ps, params)
+    kv = {"kv_dtype": options["kv_dtype"]} if "kv_dtype" in options else {}
+    expected = alone(model_and_tokenizer, ps, params, **kv)
     eng = engine(model_and_tokenizer, **options)
     got = [o.token_ids for o in eng.generate(ps, params)]
     assert got == expected

@@ -31,6 +31,7 @@ log = logging.getLogger("churon")
 RawWeight = GGUFTensor | torch.Tensor
 
 KERNEL_CHOICES = ("auto", "native", "reference")
+KV_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 def dense(w: RawWeight) -> torch.Tensor:
@@ -90,6 +91,17 @@ class ReferenceBackend:
         half = x.shape[-1] // 2
         rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
         return (x.float() * c + rotated.float() * s).to(x.dtype)
+
+    def rope_and_cache(self, qkv: torch.Tensor, shape: tuple[int, int, int], batch: ForwardBatch, cos: torch.Tensor,
+                       sin: torch.Tensor, cache: PagedKVCache, layer: int) -> torch.Tensor:
+        """RoPE on q and k of qkv [tokens, (heads + 2 kv_heads) * head_dim]; k and v into the cache. Returns q."""
+        heads, kv_heads, head_dim = shape
+        n = qkv.shape[0]
+        q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+        q = self.rope(q.view(n, heads, head_dim), batch.positions, cos, sin)
+        k = self.rope(k.view(n, kv_heads, head_dim), batch.positions, cos, sin)
+        cache.write(layer, batch.slot_mapping, k, v.view(n, kv_heads, head_dim))
+        return q
 
     def swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
@@ -191,11 +203,17 @@ class NativeBackend:
         self.cpu.add_rms_norm(residual.data_ptr(), x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // n, n, eps)
         return out
 
-    def rope(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """In place on x [tokens, heads, head_dim] (rows may be strided, heads packed)."""
-        m, heads, head_dim = x.shape
-        self.cpu.rope(x.data_ptr(), m, heads, head_dim, positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), x.stride(0))
-        return x
+    def rope_and_cache(self, qkv: torch.Tensor, shape: tuple[int, int, int], batch: ForwardBatch, cos: torch.Tensor,
+                       sin: torch.Tensor, cache: PagedKVCache, layer: int) -> torch.Tensor:
+        """One kernel: RoPE on q and k in place in qkv, k and v stored at their slots. Returns q (a view of qkv)."""
+        heads, kv_heads, head_dim = shape
+        n = qkv.shape[0]
+        self.cpu.rope_and_cache(
+            qkv.data_ptr(), n, heads, kv_heads, head_dim, batch.positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+            cache.k[layer].data_ptr(), cache.v[layer].data_ptr(), batch.slot_mapping.data_ptr(), qkv.stride(0),
+            KV_DTYPE_NAMES[cache.dtype],
+        )
+        return qkv[:, : heads * head_dim].view(n, heads, head_dim)
 
     def swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
         n = gate_up.shape[-1] // 2
@@ -211,7 +229,7 @@ class NativeBackend:
         self.cpu.attention_decode(
             q.data_ptr(), cache.k[layer].data_ptr(), cache.v[layer].data_ptr(), tables.data_ptr(),
             batch.token_context_lens.data_ptr(), out.data_ptr(), m, heads, cache.k.shape[3], head_dim,
-            cache.block_size, scale, tables.shape[1], q.stride(0),
+            cache.block_size, scale, tables.shape[1], q.stride(0), KV_DTYPE_NAMES[cache.dtype],
         )
         return out
 

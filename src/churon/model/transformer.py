@@ -69,6 +69,7 @@ class Transformer:
         self.scale = config.head_dim**-0.5
         c = config
         self.split = [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim]
+        self.heads = (c.num_heads, c.num_kv_heads, c.head_dim)
 
     def weight_bytes(self) -> int:
         objects = {id(self.embed_tokens): self.embed_tokens, id(self.lm_head): self.lm_head, id(self.norm): self.norm}
@@ -104,16 +105,12 @@ class Transformer:
         for i, layer in enumerate(self.layers):
             # attention
             qkv = b.linear(layer.qkv, h, layer.qkv_bias)
-            q, k, v = qkv.split(self.split, dim=-1)
-            q = q.view(n, c.num_heads, c.head_dim)
-            k = k.view(n, c.num_kv_heads, c.head_dim)
-            v = v.view(n, c.num_kv_heads, c.head_dim)
-            if layer.q_norm is not None:
-                q = b.rms_norm(q, layer.q_norm, eps)
-                k = b.rms_norm(k, layer.k_norm, eps)
-            q = b.rope(q, batch.positions, self.cos, self.sin)
-            k = b.rope(k, batch.positions, self.cos, self.sin)
-            cache.write(i, batch.slot_mapping, k, v)
+            if layer.q_norm is not None:  # Qwen3: RMSNorm over each head of q and of k, before RoPE
+                q_size, kv_size = self.split[0], self.split[1]
+                qkv[:, :q_size] = b.rms_norm(qkv[:, :q_size].reshape(-1, c.head_dim), layer.q_norm, eps).view(n, -1)
+                k_cols = slice(q_size, q_size + kv_size)
+                qkv[:, k_cols] = b.rms_norm(qkv[:, k_cols].reshape(-1, c.head_dim), layer.k_norm, eps).view(n, -1)
+            q = b.rope_and_cache(qkv, self.heads, batch, self.cos, self.sin, cache, i)
             attn = b.attention(q, cache, i, batch, self.scale).reshape(n, -1)
             h = b.add_rms_norm(x, b.linear(layer.o, attn), layer.post_norm, eps)
             # SwiGLU MLP
