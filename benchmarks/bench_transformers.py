@@ -2,7 +2,7 @@
 
 Batch 1, a 128-token prompt, 128 new tokens (greedy, end-of-sequence ignored), same thread count.
 transformers loads the same GGUF (dequantized) and runs its own KV-cache decode loop, in fp32
-and in bf16; churon runs in fp32 and bf16. Prints prefill and decode tokens/s and the ratios
+and in bf16; churon runs on its native kernels and on its PyTorch reference path in fp32 and bf16. Prints prefill and decode tokens/s and the ratios
 of churon's best to transformers' best.
 
     pip install -e '.[test]' accelerate
@@ -73,13 +73,22 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     rows = {}
-    for dtype in ("float32", "bfloat16"):
-        llm = LLM(path, dtype=dtype, threads=args.threads)
+    prompt = None
+    churon_configs = {
+        "churon native": {"kernels": "native"},
+        "churon reference fp32": {"kernels": "reference"},
+        "churon reference bf16": {"kernels": "reference", "dtype": "bfloat16"},
+    }
+    for name, options in churon_configs.items():
+        # no prefix cache: each repeat computes its whole prompt
+        llm = LLM(path, threads=args.threads, enable_prefix_caching=False, **options)
         prompt = llm.tokenizer.encode(TEXT)[: args.prompt_tokens]
         assert len(prompt) == args.prompt_tokens
         churon_run(llm, prompt, 8)  # warm up
-        rows[f"churon {dtype}"] = best_of(lambda: churon_run(llm, prompt, args.new_tokens), args.repeats)
+        rows[name] = best_of(lambda: churon_run(llm, prompt, args.new_tokens), args.repeats)
         del llm
+    torch.set_num_threads(args.threads)  # the native path set torch to one thread for its glue ops
+    for dtype in ("float32", "bfloat16"):
         hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=getattr(torch, dtype)).eval()
         hf_run(hf, prompt, 8)
         rows[f"transformers {dtype}"] = best_of(lambda: hf_run(hf, prompt, args.new_tokens), args.repeats)

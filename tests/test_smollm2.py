@@ -25,7 +25,13 @@ CHAT = [{"role": "user", "content": "What is the tallest mountain in the world?"
 
 @pytest.fixture(scope="module")
 def llm(smollm2_gguf):
-    return LLM(smollm2_gguf, threads=2)
+    return LLM(smollm2_gguf, threads=2)  # the default path: native kernels when built
+
+
+@pytest.fixture(scope="module")
+def reference_llm(smollm2_gguf):
+    """The exact fp32 path, which must agree with transformers to the token."""
+    return LLM(smollm2_gguf, threads=2, kernels="reference")
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +63,8 @@ def prompt_cases(llm):
     return cases
 
 
-def test_greedy_continuations_and_logits_match_transformers(llm, reference):
+def test_greedy_continuations_and_logits_match_transformers(reference_llm, reference):
+    llm = reference_llm
     for name, ids in prompt_cases(llm):
         expected, expected_logits = reference_greedy(reference, ids, NEW_TOKENS)
         out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))[0]
