@@ -92,3 +92,16 @@ def test_results_do_not_depend_on_the_thread_count(hf_dir, tmp_path):
     finally:
         kernels.cpu.set_num_threads(threads)
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+def test_without_the_extension_auto_runs_the_reference_path_and_says_so(monkeypatch, caplog):
+    from churon.kernels.backend import make_backend
+
+    monkeypatch.setattr(kernels, "cpu", None)
+    monkeypatch.setattr(kernels, "reason", "churon._cpu is not available (test)")
+    with caplog.at_level("WARNING", logger="churon"):
+        backend = make_backend("auto", torch.float32)
+    assert backend.name == "reference"
+    assert "reference path" in caplog.text and "not available (test)" in caplog.text
+    with pytest.raises(RuntimeError, match="not available"):
+        make_backend("native", torch.float32)
