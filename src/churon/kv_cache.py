@@ -30,14 +30,6 @@ class PagedKVCache:
         self.k_slots = self.k.view(config.num_layers, num_blocks * block_size, config.num_kv_heads, config.head_dim)
         self.v_slots = self.v.view(config.num_layers, num_blocks * block_size, config.num_kv_heads, config.head_dim)
 
-    @staticmethod
-    def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-        return config.kv_bytes_per_token(dtype.itemsize) * block_size
-
-    @property
-    def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
-
     def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v ([tokens, kv_heads, head_dim]) at their slots."""
         self.k_slots[layer].index_copy_(0, slot_mapping, k if k.dtype == self.dtype else k.to(self.dtype))

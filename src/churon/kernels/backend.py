@@ -61,9 +61,6 @@ class ReferenceBackend:
     def vector(self, w: RawWeight) -> torch.Tensor:
         return dense(w).to(self.dtype)
 
-    def nbytes(self, w) -> int:
-        return w.nbytes
-
     def embedding(self, table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, table)
 
@@ -162,9 +159,6 @@ class NativeBackend:
 
     def vector(self, w: RawWeight) -> torch.Tensor:
         return dense(w).contiguous()
-
-    def nbytes(self, w) -> int:
-        return w.nbytes
 
     def embedding(self, table, ids: torch.Tensor) -> torch.Tensor:
         out = torch.empty(ids.shape[0], table.cols)

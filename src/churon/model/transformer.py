@@ -77,7 +77,7 @@ class Transformer:
             for w in vars(layer).values():
                 if w is not None:
                     objects[id(w)] = w
-        return sum(self.backend.nbytes(w) for w in objects.values())
+        return sum(w.nbytes for w in objects.values())  # torch tensors and native matrices alike
 
     def new_cache(self, max_tokens: int | None = None) -> SequenceKVCache:
         """A KV cache for one sequence of up to max_tokens (default: the context length)."""
