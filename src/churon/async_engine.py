@@ -27,7 +27,7 @@ class AsyncLLMEngine:
         self._thread.start()
 
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams | None = None) -> AsyncIterator[Delta]:
-        """The request's deltas as they are produced; the last has output.finish_reason set.
+        """The request's deltas as they are produced; the last has finish_reason set.
 
         Bad input (an over-long prompt, bad token ids) raises here, before anything is queued.
         """
@@ -46,7 +46,7 @@ class AsyncLLMEngine:
                 if isinstance(item, BaseException):
                     raise item
                 yield item
-                if item.output.finish_reason is not None:
+                if item.finish_reason is not None:
                     finished = True
                     return
         finally:
@@ -97,7 +97,7 @@ class AsyncLLMEngine:
                         self.engine.abort(request_id)
                         self._queues.pop(request_id, None)
                 for d in deltas:
-                    if d.output.finish_reason is not None:
+                    if d.finish_reason is not None:
                         self._queues.pop(d.request_id, None)
             if error is not None:
                 for loop, queue in targets.values():

@@ -65,7 +65,8 @@ class Delta:
     request_id: int
     text: str
     token_id: int | None
-    output: CompletionOutput  # the request so far; finish_reason set on its last delta
+    finish_reason: str | None  # set on the request's last delta
+    output: CompletionOutput  # the request so far (shared and updated by later steps: read finish_reason above)
 
 
 def check_prompt(prompt_ids: Sequence[int], vocab_size: int, context_length: int) -> None:
@@ -167,7 +168,7 @@ class Request:
         out.text += text
         out.metrics.generated_tokens = len(out.token_ids)
         out.metrics.decode_seconds = now - self.first_token_time
-        return Delta(out.request_id, text, token, out)
+        return Delta(out.request_id, text, token, out.finish_reason, out)
 
 
 class LLMEngine:
@@ -238,8 +239,8 @@ class LLMEngine:
             request = self.requests[seq.seq_id]
             delta = request.on_token(request.sampler(logits[row]))
             row += 1
-            if delta.output.finish_reason is not None:
-                self.scheduler.finish(seq, delta.output.finish_reason)
+            if delta.finish_reason is not None:
+                self.scheduler.finish(seq, delta.finish_reason)
                 del self.requests[seq.seq_id]
             deltas.append(delta)
         return deltas
@@ -252,7 +253,7 @@ class LLMEngine:
                 for delta in self.step():
                     if delta.request_id == request_id:
                         yield delta
-                        if delta.output.finish_reason is not None:
+                        if delta.finish_reason is not None:
                             return
         finally:
             self.abort(request_id)  # the caller stopped early (Ctrl-C, break): free its blocks
@@ -276,7 +277,7 @@ class LLMEngine:
         with tqdm(total=len(ids), desc="generating", unit="req", disable=not use_tqdm) as bar:
             while len(outputs) < len(ids):
                 for delta in self.step():
-                    if delta.output.finish_reason is not None:
+                    if delta.finish_reason is not None:
                         outputs[delta.request_id] = delta.output
                         bar.update(1)
         return [outputs[i] for i in ids]
