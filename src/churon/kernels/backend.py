@@ -4,9 +4,9 @@
     NativeBackend     churon._cpu: quantized matmuls on 8-bit activations, fused row ops,
                       block-table attention; float32 activations
 
-Both compute each token's row the same way whatever else is in the batch only in the native
-backend: its matmuls split work by output rows with a fixed reduction order, and its attention
-treats every query token on its own. PyTorch's float32 GEMM changes reduction order with the
+Only the native backend computes each token's row the same way whatever else is in the batch:
+its matmuls split work by output rows with a fixed reduction order, and its attention treats
+every query token on its own. PyTorch's float32 GEMM changes its reduction order with the
 batch size, so the reference backend is exact but not batch-invariant.
 """
 
