@@ -24,7 +24,7 @@ class LLM:
 
     model: a registry name (pulled on first use), a .gguf file or a Hugging Face directory.
     dtype: "float32" or "bfloat16" (reference kernels only).
-    threads: torch intra-op threads; default the number of physical cores.
+    threads: CPU threads (the native kernels' pool, or torch's on the reference path); default: physical cores.
     """
 
     def __init__(
