@@ -23,7 +23,7 @@ from churon import kernels
 from churon.formats.gguf import GGUFTensor
 from churon.formats.quants import dequantize
 from churon.kv_cache import PagedKVCache
-from churon.model.batch import ForwardBatch
+from churon.model.batch import ForwardBatch, slots_of
 
 log = logging.getLogger("churon")
 
@@ -114,7 +114,7 @@ class ReferenceBackend:
         heads, kv_heads = q.shape[1], k_slots.shape[1]
         for i, ctx in enumerate(batch.context_lens):
             a, b = batch.query_start[i], batch.query_start[i + 1]
-            slots = batch.context_slots[i]
+            slots = slots_of(batch.block_tables[i], torch.arange(ctx), cache.block_size)
             n = b - a
             out[a:b] = F.scaled_dot_product_attention(
                 q[a:b].transpose(0, 1),

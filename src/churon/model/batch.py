@@ -32,8 +32,7 @@ class ForwardBatch:
     slot_mapping: torch.Tensor  # int64 [tokens]: block_table[pos // block_size] * block_size + pos % block_size
     query_start: list[int]  # [seqs + 1]: sequence i's tokens are flat rows query_start[i]:query_start[i + 1]
     context_lens: list[int]  # [seqs]: keys the sequence's last token attends to (start + new tokens)
-    context_slots: list[torch.Tensor]  # [seqs] int64 [context_len]: the slots of all of a sequence's keys, in order
-    block_tables: torch.Tensor  # int32 [seqs, max_blocks] (padded with 0), for block-table kernels
+    block_tables: torch.Tensor  # int32 [seqs, max_blocks] (padded with 0)
     logits_indices: torch.Tensor  # int64: flat rows whose logits are returned
     # per token, for kernels that attend each query token on its own: its sequence's block table
     # and how many keys it sees (its position + 1)
@@ -54,7 +53,7 @@ class ForwardBatch:
         positions: list[int] = []
         query_start = [0]
         context_lens: list[int] = []
-        context_slots: list[torch.Tensor] = []
+        new_slots: list[torch.Tensor] = []
         logits_indices: list[int] = []
         max_blocks = max(len(c.block_table) for c in chunks)
         block_tables = torch.zeros(len(chunks), max_blocks, dtype=torch.int32)
@@ -68,15 +67,14 @@ class ForwardBatch:
             positions.extend(range(c.start, end))
             table = torch.as_tensor(list(c.block_table), dtype=torch.int64)
             block_tables[i, : len(table)] = table.to(torch.int32)
-            all_positions = torch.arange(end)
-            context_slots.append(table[all_positions // block_size] * block_size + all_positions % block_size)
+            new_slots.append(slots_of(table, torch.arange(c.start, end), block_size))
             context_lens.append(end)
             if c.all_logits:
                 logits_indices.extend(range(query_start[-1], query_start[-1] + end - c.start))
             elif c.need_logits:
                 logits_indices.append(query_start[-1] + end - c.start - 1)
             query_start.append(query_start[-1] + end - c.start)
-        slot_mapping = torch.cat([s[c.start :] for s, c in zip(context_slots, chunks)])
+        slot_mapping = torch.cat(new_slots)
         positions_t = torch.tensor(positions, dtype=torch.int64)
         seq_of_token = torch.repeat_interleave(torch.arange(len(chunks)), torch.tensor(query_start).diff())
         return cls(
@@ -85,9 +83,13 @@ class ForwardBatch:
             slot_mapping=slot_mapping,
             query_start=query_start,
             context_lens=context_lens,
-            context_slots=context_slots,
             block_tables=block_tables,
             logits_indices=torch.tensor(logits_indices, dtype=torch.int64),
             token_block_tables=block_tables[seq_of_token].contiguous(),
             token_context_lens=(positions_t + 1).to(torch.int32),
         )
+
+
+def slots_of(block_table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The KV-cache slots (int64) of a sequence's token positions, through its block table."""
+    return block_table[positions // block_size].long() * block_size + positions % block_size
