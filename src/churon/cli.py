@@ -168,11 +168,16 @@ def _bytes(n: float) -> str:
         n /= 1024
 
 
-def _quant_type(m) -> str:
-    """The type holding most of the weight bytes (a file's 'Q4_1' even if norms are F32)."""
+def _bytes_by_type(m) -> Counter:
     by_type = Counter()
     for t in m.tensors:
         by_type[t.dtype] += t.n_bytes
+    return by_type
+
+
+def _quant_type(m) -> str:
+    """The type holding most of the weight bytes (a file's 'Q4_1' even if norms are F32)."""
+    by_type = _bytes_by_type(m)
     return by_type.most_common(1)[0][0] if by_type else "?"
 
 
@@ -218,11 +223,8 @@ def cmd_inspect(args) -> int:
     for k, v in fields:
         print(f"{k:<{width}}  {v}")
     print("\nbytes by tensor type:")
-    by_type = Counter()
-    count = Counter()
-    for t in tensors:
-        by_type[t.dtype] += t.n_bytes
-        count[t.dtype] += 1
+    by_type = _bytes_by_type(m)
+    count = Counter(t.dtype for t in tensors)
     _table(["type", "tensors", "bytes"], [(k, count[k], _bytes(v)) for k, v in by_type.most_common()])
 
     elem = KV_DTYPE_BYTES[args.kv_dtype]
