@@ -68,16 +68,19 @@ def test_run_without_a_prompt_is_an_error(model):
 
 
 def test_inspect_reports_structure_and_memory(model):
-    result = churon("inspect", model, "--tensors")
+    result = churon("inspect", model, "--tensors", "--kv-dtype", "f32")
     assert result.returncode == 0, result.stderr
     out = result.stdout
     for line in ["architecture       llama", "layers             2", "hidden size        64", "attention heads    4",
                  "KV heads           2", "head dim           16", "vocabulary         400", "context length     256",
                  "Q8_0", "blk.1.ffn_down.weight", "128x64"]:
         assert line in out, line
-    assert "512 bytes (2 x 2 layers x 2 KV heads x 16 head dim x 4 bytes)" in out  # per token, f32
+    assert "512 bytes (2 x 2 layers x 2 KV heads x (16 head dim x 4 bytes))" in out  # per token, f32
     # 32k context x 32 sequences x 512 bytes = 512 MiB
     assert "512.0 MiB" in out
+    # int8: 16 one-byte values and a 4-byte scale per head
+    result = churon("inspect", model, "--kv-dtype", "i8")
+    assert "160 bytes (2 x 2 layers x 2 KV heads x (16 head dim x 1 bytes + a 4-byte scale))" in result.stdout
 
 
 def test_inspect_a_hugging_face_directory(hf_dir):

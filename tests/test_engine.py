@@ -4,12 +4,14 @@ preemption and abort, and outputs that do not depend on the batch."""
 import random
 
 import pytest
+import torch
 
 from churon import SamplingParams
 from churon.config import EngineConfig
 from churon.engine import LLMEngine
 from churon.errors import ContextLengthError
 from churon.loader import load_model
+from churon.kv_cache import kv_bytes_per_token
 from churon.memory import MemoryPlanError, plan_memory, what_fits
 from tiny_models import make_hf_model, write_gguf
 
@@ -57,8 +59,11 @@ def alone(model_and_tokenizer, ps, params, **options) -> list[list[int]]:
         {"block_size": 4, "kv_cache_memory": 64 * 1024},  # a tiny pool: constant preemption
         {"kv_dtype": "bfloat16"},
         {"kv_dtype": "float16", "max_num_batched_tokens": 7},
+        {"kv_dtype": "int8", "max_num_batched_tokens": 7},
+        {"kv_dtype": "int8", "block_size": 4, "kv_cache_memory": 16 * 1024},
     ],
-    ids=["default", "no-prefix-cache", "no-chunked-prefill", "small-chunks", "few-seqs", "preemption", "bf16-kv", "f16-kv"],
+    ids=["default", "no-prefix-cache", "no-chunked-prefill", "small-chunks", "few-seqs", "preemption", "bf16-kv", "f16-kv",
+         "int8-kv", "int8-kv-preemption"],
 )
 def test_outputs_do_not_depend_on_the_batch(model_and_tokenizer, options):
     ps = prompts(16, seed=1, shared_prefix=20)
@@ -137,13 +142,16 @@ def test_a_bad_prompt_in_a_batch_leaves_nothing_queued(model_and_tokenizer):
 def test_memory_planner_says_what_fits(model_and_tokenizer):
     model, _ = model_and_tokenizer
     config = model.config
-    per_token = config.kv_bytes_per_token(4)
+    per_token = kv_bytes_per_token(config, torch.float32)
+    assert per_token == 2 * config.num_layers * config.num_kv_heads * config.head_dim * 4
+    # int8: a byte per value plus a float32 scale per (token, kv head)
+    assert kv_bytes_per_token(config, torch.int8) == 2 * config.num_layers * config.num_kv_heads * (config.head_dim + 4)
     engine_config = EngineConfig(kv_cache_memory=10**12)
     with pytest.raises(MemoryPlanError, match="does not fit.*fits"):
-        plan_memory(config, 10**6, engine_config, 256, 4, available=10**9)
-    plan = plan_memory(config, 10**6, EngineConfig(kv_cache_memory=per_token * 512), 256, 4, available=10**9)
+        plan_memory(config, 10**6, engine_config, 256, torch.float32, available=10**9)
+    plan = plan_memory(config, 10**6, EngineConfig(kv_cache_memory=per_token * 512), 256, torch.float32, available=10**9)
     assert plan.kv_tokens == 512
     assert what_fits(6 * 8192 + 5, 8192) == "fits 2k context for 24 sequences, or 8k context for 6 sequences"
     assert what_fits(40000, 32768) == "fits 2k context for 19 sequences, or 8k context for 4 sequences, or 32k context for 1 sequence"
     with pytest.raises(MemoryPlanError, match="does not fit"):
-        plan_memory(config, 10**10, EngineConfig(), 256, 4, available=10**9)
+        plan_memory(config, 10**10, EngineConfig(), 256, torch.float32, available=10**9)

@@ -36,6 +36,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 from churon import kernels
 from churon.formats.quants import dequantize
 from churon.kernels import reference as ref
+from churon.kv_cache import quantize_int8
 
 pytestmark = pytest.mark.skipif(not kernels.native_available(), reason=kernels.reason or "no native kernels")
 
@@ -444,7 +445,33 @@ def test_rope_and_cache_low_precision(isa, dtype):
     assert torch.equal(v_cache.view(torch.int16), want_v.view(torch.int16))
     with pytest.raises(ValueError, match="kv_dtype"):
         cpu.rope_and_cache(qkv.data_ptr(), 3, H, KV, hd, positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-                           k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), 0, "int8")
+                           k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), 0, "int4")
+
+
+def test_rope_and_cache_int8(isa, threads):
+    # the kernel quantizes each (token, kv head) like churon.kv_cache.quantize_int8, bitwise
+    cos, sin = rope_tables(64, 64)
+    m, H, KV, hd = 40, 9, 3, 64
+    qkv = activations(m, (H + 2 * KV) * hd) * 3
+    qkv[0, H * hd : (H + 1) * hd] = 0.0  # an all-zero head: scale 0, values 0
+    positions = torch.arange(m, dtype=torch.int64)
+    slots = torch.randperm(m, generator=torch.Generator().manual_seed(2)).to(torch.int64)
+    slots[5] = -1
+    want_q, k_f32, v_f32 = ref.rope_and_cache(qkv, H, KV, positions, cos, sin, torch.zeros(5, 8, KV, hd),
+                                              torch.zeros(5, 8, KV, hd), slots)
+    want_k, want_ks = quantize_int8(k_f32)
+    want_v, want_vs = quantize_int8(v_f32)
+    assert int(want_k.abs().max()) == 127 and float(want_ks.view(-1, KV)[slots[0]][0]) == 0.0
+    k, v = torch.zeros(5, 8, KV, hd, dtype=torch.int8), torch.zeros(5, 8, KV, hd, dtype=torch.int8)
+    ks, vs = torch.zeros(5, 8, KV), torch.zeros(5, 8, KV)
+    threads(2)
+    cpu.rope_and_cache(qkv.data_ptr(), m, H, KV, hd, positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                       k.data_ptr(), v.data_ptr(), slots.data_ptr(), 0, "int8", ks.data_ptr(), vs.data_ptr())
+    assert torch.equal(qkv[:, : H * hd].reshape(m, H, hd), want_q)
+    assert torch.equal(k, want_k) and torch.equal(v, want_v)
+    assert torch.equal(ks, want_ks) and torch.equal(vs, want_vs)
+    # the dequantized cache is within half a quantization step of the float values
+    assert ((k.float() * ks.unsqueeze(-1) - k_f32).abs() <= ks.unsqueeze(-1) / 2 + 1e-7).all()
 
 
 def test_swiglu(isa, threads):
@@ -543,6 +570,32 @@ def test_attention_decode_low_precision_cache(isa, dtype, head_dim):
     from churon.kernels import ops
 
     assert torch.equal(ops.attention_decode(q, k, v, table, lens, scale), out)
+
+
+@pytest.mark.parametrize("head_dim", [64, 40])  # the vector path and the generic one
+def test_attention_decode_int8_cache(isa, threads, head_dim):
+    k, v, table, lens = paged_cache([5, 130, 70], 2, head_dim, 16)
+    (k, ks), (v, vs) = quantize_int8(k), quantize_int8(v)
+    q = torch.randn(3, 6, head_dim) * 0.5
+    scale = head_dim**-0.5
+
+    def run():
+        out = torch.empty(3, 6, head_dim)
+        cpu.attention_decode(q.data_ptr(), k.data_ptr(), v.data_ptr(), table.data_ptr(), lens.data_ptr(),
+                             out.data_ptr(), 3, 6, 2, head_dim, 16, scale, table.shape[1], 0, "int8", ks.data_ptr(),
+                             vs.data_ptr())
+        return out
+
+    out = run()
+    # against exact attention over the dequantized cache
+    kd, vd = k.double() * ks.double().unsqueeze(-1), v.double() * vs.double().unsqueeze(-1)
+    want = ref.attention_decode(q.double(), kd, vd, table, lens, scale)
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+    threads(1)
+    assert torch.equal(run(), out)
+    with pytest.raises(ValueError, match="k_scale"):
+        cpu.attention_decode(q.data_ptr(), k.data_ptr(), v.data_ptr(), table.data_ptr(), lens.data_ptr(),
+                             q.data_ptr(), 3, 6, 2, head_dim, 16, scale, table.shape[1], 0, "int8")
 
 
 def test_attention_strided_q(isa):

@@ -11,7 +11,7 @@ from pathlib import Path
 from churon.errors import ChuronError
 from churon.registry import DEFAULT_MODEL, REGISTRY, cached_models, pull_model, registry_entry
 
-KV_DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2}
+KV_DTYPE_ARGS = {"f32": "float32", "bf16": "bfloat16", "f16": "float16", "i8": "int8"}
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -191,7 +191,10 @@ def _table(header: list[str], rows: list[tuple]) -> None:
 
 
 def cmd_inspect(args) -> int:
+    import torch
+
     from churon.config import EngineConfig
+    from churon.kv_cache import KV_DTYPES, kv_bytes_per_token
     from churon.loader import open_model
     from churon.memory import plan_memory
 
@@ -227,18 +230,16 @@ def cmd_inspect(args) -> int:
     count = Counter(t.dtype for t in tensors)
     _table(["type", "tensors", "bytes"], [(k, count[k], _bytes(v)) for k, v in by_type.most_common()])
 
-    elem = KV_DTYPE_BYTES[args.kv_dtype]
-    per_token = c.kv_bytes_per_token(elem)
+    kv_dtype = KV_DTYPES[KV_DTYPE_ARGS[args.kv_dtype]]
+    per_token = kv_bytes_per_token(c, kv_dtype)
+    per_head = f"{c.head_dim} head dim x {kv_dtype.itemsize} bytes" + (" + a 4-byte scale" if kv_dtype == torch.int8 else "")
     print(f"\nmemory (KV cache in {args.kv_dtype}):")
     print(f"weights                {_bytes(weight_bytes)} in the file")
-    print(
-        f"KV cache per token     {per_token:,} bytes "
-        f"(2 x {c.num_layers} layers x {c.num_kv_heads} KV heads x {c.head_dim} head dim x {elem} bytes)"
-    )
+    print(f"KV cache per token     {per_token:,} bytes (2 x {c.num_layers} layers x {c.num_kv_heads} KV heads x ({per_head}))")
     contexts = [2048, 8192, 32768]
     rows = [(f"{ctx // 1024}k" + ("" if ctx <= c.context_length else " (> model context)"),) + tuple(_bytes(per_token * ctx * s) for s in (1, 8, 32)) for ctx in contexts]
     _table(["context", "1 sequence", "8 sequences", "32 sequences"], rows)
-    plan = plan_memory(c, weight_bytes, EngineConfig(), c.context_length, elem)
+    plan = plan_memory(c, weight_bytes, EngineConfig(), c.context_length, kv_dtype)
     print(f"\nmemory plan on this machine (default engine settings): {plan.describe(c.context_length)}")
     _print_native_layouts(m)
     if args.tensors:
@@ -291,7 +292,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("inspect", help="what a model file holds, and the memory it needs")
     p.add_argument("model", nargs="?", default=DEFAULT_MODEL)
     p.add_argument("--tensors", action="store_true", help="list every tensor")
-    p.add_argument("--kv-dtype", default="f32", choices=sorted(KV_DTYPE_BYTES), help="KV cache element type (default f32)")
+    p.add_argument("--kv-dtype", default="f16", choices=list(KV_DTYPE_ARGS), help="KV cache element type (default f16, the native path's)")
     p.set_defaults(func=cmd_inspect)
     return parser
 

@@ -48,10 +48,6 @@ class ModelConfig:
     qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3)
     extra: dict[str, Any] = field(default_factory=dict)  # informational only (file type, name, ...)
 
-    def kv_bytes_per_token(self, bytes_per_element: int) -> int:
-        """K and V for one token in every layer."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_element
-
 
 def default_threads() -> int:
     """Number of physical cores (hyper-threads share a core's FPUs and slow matmuls down)."""
@@ -80,7 +76,7 @@ class EngineConfig:
     block_size: int = 16  # tokens per KV-cache block
     kv_cache_memory: int | None = None  # bytes for the KV cache; None: kv_cache_fraction of available memory
     kv_cache_fraction: float = 0.25
-    kv_dtype: str = "auto"  # "auto" (the model's activation dtype), "float32", "bfloat16", "float16"
+    kv_dtype: str = "auto"  # "auto" (the backend's choice), "float32", "bfloat16", "float16", "int8"
     max_num_seqs: int = 32  # sequences in one step
     max_num_batched_tokens: int = 2048  # tokens in one step (prompt chunks + decodes)
     max_model_len: int | None = None  # cap on a sequence's length (default: the model's context length)
@@ -98,10 +94,13 @@ class EngineConfig:
             raise ValueError(f"invalid engine setting kv_cache_fraction={self.kv_cache_fraction!r}: must be in (0, 1]")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"invalid engine setting max_model_len={self.max_model_len!r}: must be >= 2")
-        if self.kv_dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(f"invalid engine setting kv_dtype={self.kv_dtype!r}: must be auto, float32, bfloat16 or float16")
+        if self.kv_dtype not in ("auto", "float32", "bfloat16", "float16", "int8"):
+            raise ValueError(
+                f"invalid engine setting kv_dtype={self.kv_dtype!r}: must be auto, float32, bfloat16, float16 or int8"
+            )
 
-    def kv_torch_dtype(self, model_dtype):
+    def kv_torch_dtype(self, default):
+        """The KV cache's torch dtype; "auto" is the backend's default (float16 native, the activation dtype otherwise)."""
         import torch
 
-        return model_dtype if self.kv_dtype == "auto" else getattr(torch, self.kv_dtype)
+        return default if self.kv_dtype == "auto" else getattr(torch, self.kv_dtype)

@@ -180,9 +180,9 @@ class LLMEngine:
         self.config = config or EngineConfig()
         self.model_config = model.config
         self.context_length = min(self.model_config.context_length, self.config.max_model_len or 1 << 62)
-        kv_dtype = self.config.kv_torch_dtype(model.dtype)
+        kv_dtype = self.config.kv_torch_dtype(model.kv_dtype)
         self.memory_plan = plan_memory(
-            self.model_config, model.weight_bytes(), self.config, self.context_length, kv_dtype.itemsize
+            self.model_config, model.weight_bytes(), self.config, self.context_length, kv_dtype
         )
         self.cache = PagedKVCache(self.model_config, self.memory_plan.num_blocks, self.config.block_size, kv_dtype)
         self.block_manager = BlockManager(self.memory_plan.num_blocks, self.config.block_size, self.config.enable_prefix_caching)

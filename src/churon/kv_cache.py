@@ -4,6 +4,11 @@ One preallocated tensor per K and V: [layers, num_blocks, block_size, kv_heads, 
 A token's slot is block_id * block_size + offset; a sequence finds its tokens through its
 block table (which blocks, in order). The block manager decides which blocks a sequence
 owns; this module only holds the memory.
+
+An int8 cache also holds one float32 scale per (slot, kv head), k_scale and v_scale
+[layers, num_blocks, block_size, kv_heads]: a head's values are quantized when written,
+symmetric around zero with scale amax / 127 (Q8_0's rule over a head vector), so a written
+token never changes again and its values do not depend on what else is in the cache.
 """
 
 from __future__ import annotations
@@ -12,28 +17,65 @@ import torch
 
 from churon.config import ModelConfig
 
-KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int8": torch.int8}
+KV_DTYPE_NAMES = {dtype: name for name, dtype in KV_DTYPES.items()}
+SCALE_BYTES = 4  # one float32 scale per (token, kv head) in an int8 cache
+
+
+def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
+    """K and V of one token in every layer (int8: with their scales)."""
+    per_head = config.head_dim * dtype.itemsize + (SCALE_BYTES if dtype == torch.int8 else 0)
+    return 2 * config.num_layers * config.num_kv_heads * per_head
+
+
+def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., head_dim] float32 -> (int8 values, float32 scales [...]); the native kernel's arithmetic exactly."""
+    amax = x.abs().amax(-1)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    return (x * inv.unsqueeze(-1)).round().clamp(-127, 127).to(torch.int8), amax / 127.0
 
 
 class PagedKVCache:
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int = 16, dtype: torch.dtype = torch.float32):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"a KV cache needs at least one block of at least one token, got {num_blocks} x {block_size}")
+        if dtype not in KV_DTYPE_NAMES:
+            raise ValueError(f"KV cache dtype {dtype} is not one of {', '.join(KV_DTYPES)}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.dtype = dtype
-        shape = (config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
+        self.dtype_name = KV_DTYPE_NAMES[dtype]
+        layers, slots = config.num_layers, num_blocks * block_size
+        shape = (layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
         # empty, not zeros: a slot is always written before it is read, and untouched pages cost no memory
         self.k = torch.empty(shape, dtype=dtype)
         self.v = torch.empty(shape, dtype=dtype)
         # the same memory indexed by slot: [layers, num_blocks * block_size, kv_heads, head_dim]
-        self.k_slots = self.k.view(config.num_layers, num_blocks * block_size, config.num_kv_heads, config.head_dim)
-        self.v_slots = self.v.view(config.num_layers, num_blocks * block_size, config.num_kv_heads, config.head_dim)
+        self.k_slots = self.k.view(layers, slots, config.num_kv_heads, config.head_dim)
+        self.v_slots = self.v.view(layers, slots, config.num_kv_heads, config.head_dim)
+        self.k_scale = self.v_scale = None
+        if dtype == torch.int8:
+            self.k_scale = torch.empty(shape[:-1], dtype=torch.float32)
+            self.v_scale = torch.empty(shape[:-1], dtype=torch.float32)
 
     def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v ([tokens, kv_heads, head_dim]) at their slots."""
-        self.k_slots[layer].index_copy_(0, slot_mapping, k if k.dtype == self.dtype else k.to(self.dtype))
-        self.v_slots[layer].index_copy_(0, slot_mapping, v if v.dtype == self.dtype else v.to(self.dtype))
+        for x, slots, scales in ((k, self.k_slots, self.k_scale), (v, self.v_slots, self.v_scale)):
+            if scales is None:
+                slots[layer].index_copy_(0, slot_mapping, x if x.dtype == self.dtype else x.to(self.dtype))
+                continue
+            values, scale = quantize_int8(x.float())
+            slots[layer].index_copy_(0, slot_mapping, values)
+            scales[layer].view(-1, scales.shape[-1]).index_copy_(0, slot_mapping, scale)
+
+    def read(self, layer: int, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V at the given slots as dtype, [len(slots), kv_heads, head_dim]."""
+        k, v = self.k_slots[layer][slots].to(dtype), self.v_slots[layer][slots].to(dtype)
+        if self.k_scale is not None:
+            kv_heads = self.k_scale.shape[-1]
+            k = k * self.k_scale[layer].view(-1, kv_heads)[slots].unsqueeze(-1).to(dtype)
+            v = v * self.v_scale[layer].view(-1, kv_heads)[slots].unsqueeze(-1).to(dtype)
+        return k, v
 
 
 class SequenceKVCache(PagedKVCache):

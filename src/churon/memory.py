@@ -9,8 +9,11 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+import torch
+
 from churon.config import EngineConfig, ModelConfig
 from churon.errors import ChuronError
+from churon.kv_cache import kv_bytes_per_token
 
 FP32 = 4
 
@@ -99,11 +102,11 @@ def plan_memory(
     weight_bytes: int,
     engine: EngineConfig,
     context_length: int,
-    kv_element_bytes: int,
+    kv_dtype: torch.dtype,
     available: int | None = None,
 ) -> MemoryPlan:
     available = available_memory() if available is None else available
-    kv_per_token = config.kv_bytes_per_token(kv_element_bytes)
+    kv_per_token = kv_bytes_per_token(config, kv_dtype)
     act = activation_bytes(config, engine)
     free_for_kv = available - weight_bytes - act
     block = engine.block_size * kv_per_token

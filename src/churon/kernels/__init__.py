@@ -25,13 +25,15 @@ The raw API (all tensors float32 and C-contiguous unless said; pointers are ints
     add_rms_norm(residual_ptr, x_ptr, weight_ptr, out_ptr, m, n, eps)   # residual += x; out = rms_norm(residual)
     rope(x_ptr, m, n_heads, head_dim, positions_ptr, cos_ptr, sin_ptr, row_stride=0)   # in place
     rope_and_cache(qkv_ptr, m, num_heads, num_kv_heads, head_dim, positions_ptr, cos_ptr, sin_ptr,
-                   k_cache_ptr, v_cache_ptr, slot_mapping_ptr, row_stride=0, kv_dtype="float32")
+                   k_cache_ptr, v_cache_ptr, slot_mapping_ptr, row_stride=0, kv_dtype="float32",
+                   k_scale_ptr=0, v_scale_ptr=0)                     # int8: scales float32 [slots, kv_heads]
                                                                      # rope q,k in place; k,v -> cache
     swiglu(gate_up_ptr, out_ptr, m, n)
     softmax(x_ptr, out_ptr, m, n)
     attention_decode(q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr, out_ptr,
                      num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale,
-                     max_blocks_per_seq, q_stride=0, kv_dtype="float32")   # cache float32/float16/bfloat16
+                     max_blocks_per_seq, q_stride=0, kv_dtype="float32",  # float32/float16/bfloat16/int8
+                     k_scale_ptr=0, v_scale_ptr=0)
     read_bytes(ptr, nbytes, repeat=1)                                # memory-bandwidth probe
     pool_stats(reset=False) -> [jobs, items, caller_items, wait_ns, long_waits, solo_jobs]
 

@@ -58,6 +58,7 @@ class Transformer:
         self.config = config
         self.backend = backend or ReferenceBackend()
         self.dtype = self.backend.dtype
+        self.kv_dtype = self.backend.kv_dtype
         b = self.backend
         freq_factors = weights.get("rope_freqs.weight")
         inv_freq = rope_inv_freq(config, dense(freq_factors) if freq_factors is not None else None)
@@ -81,7 +82,7 @@ class Transformer:
 
     def new_cache(self, max_tokens: int | None = None) -> SequenceKVCache:
         """A KV cache for one sequence of up to max_tokens (default: the context length)."""
-        return SequenceKVCache(self.config, max_tokens or self.config.context_length, dtype=self.dtype)
+        return SequenceKVCache(self.config, max_tokens or self.config.context_length, dtype=self.kv_dtype)
 
     def __call__(self, tokens: torch.Tensor, start: int, cache: SequenceKVCache, all_logits: bool = False) -> torch.Tensor:
         """One sequence: run tokens ([n] ids at positions start..start+n-1) and return float32 logits.

@@ -83,13 +83,16 @@ struct ActQ {
   int32_t* sum16 = nullptr;     // [m][2 * nb]
 };
 
-enum KvDtype : int { kKvF32 = 0, kKvF16 = 1, kKvBF16 = 2 };
+// kKvI8: int8 values with one float32 scale per (slot, kv head): x = q * scale, scale = amax / 127
+enum KvDtype : int { kKvF32 = 0, kKvF16 = 1, kKvBF16 = 2, kKvI8 = 3 };
 
 struct AttnArgs {
   const float* q;            // [num_seqs, q_stride] : head h at q + seq * q_stride + h * head_dim
   const void* k_cache;       // [num_blocks, block_size, num_kv_heads, head_dim] of kv_dtype
   const void* v_cache;
-  int kv_dtype;              // kKvF32, kKvF16, kKvBF16
+  int kv_dtype;              // kKvF32, kKvF16, kKvBF16, kKvI8
+  const float* k_scale;      // kKvI8 only: [num_blocks, block_size, num_kv_heads]
+  const float* v_scale;
   const int32_t* block_table;  // [num_seqs, max_blocks]
   const int32_t* seq_lens;     // [num_seqs]
   float* out;                // [num_seqs, num_heads * head_dim]

@@ -1083,9 +1083,18 @@ inline __m256 hsum8x(const __m512 (&v)[8]) {
 template <int KD>
 inline __m512 kv_load16(const void* base, int64_t off) {
   if constexpr (KD == kKvF32) return _mm512_loadu_ps(static_cast<const float*>(base) + off);
+  if constexpr (KD == kKvI8)  // unscaled: the caller applies the (slot, head) scale
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(static_cast<const int8_t*>(base) + off))));
   const __m256i h = _mm256_loadu_si256((const __m256i*)(static_cast<const uint16_t*>(base) + off));
   if constexpr (KD == kKvF16) return _mm512_cvtph_ps(h);
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// the weight of a V row in the output: its softmax weight p, times its scale for an int8 cache
+template <int KD>
+inline float v_weight(const AttnArgs& a, float p, int64_t scale_index) {
+  if constexpr (KD == kKvI8) return p * a.v_scale[scale_index];
+  return p;
 }
 
 // head_dim = 16 * NV. Scores: position by position in cache order, each K row read once for
@@ -1093,7 +1102,7 @@ inline __m512 kv_load16(const void* base, int64_t off) {
 // over chunks of 16 positions (the chunk's V rows stay in L1 for the heads of a kv head).
 template <int NV, int KD>
 void attn_part_v(const AttnArgs& a, int64_t seq, int64_t part, float* scores, float* accbuf) {
-  constexpr int64_t ES = KD == kKvF32 ? 4 : 2;  // bytes per cache element
+  constexpr int64_t ES = KD == kKvF32 ? 4 : KD == kKvI8 ? 1 : 2;  // bytes per cache element
   const int64_t G = a.num_heads / a.num_kv_heads;
   const int64_t P = a.part_tokens;
   const int64_t H = a.num_heads;
@@ -1131,6 +1140,7 @@ void attn_part_v(const AttnArgs& a, int64_t seq, int64_t part, float* scores, fl
           const float* qh = q + h * 16 * NV;
           __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qh), k[0]);
           for (int v = 1; v < NV; ++v) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 16 * v), k[v], acc);
+          if constexpr (KD == kKvI8) acc = _mm512_mul_ps(acc, _mm512_set1_ps(a.k_scale[row / (16 * NV) + kvh]));
           _mm512_storeu_ps(dbuf + (h * 8 + j) * 16, acc);
         }
       }
@@ -1160,7 +1170,8 @@ void attn_part_v(const AttnArgs& a, int64_t seq, int64_t part, float* scores, fl
       for (; j + 2 <= cn; j += 2) {  // c is even: j's parity is the position's parity
         const int64_t v0 = vc + rows[c + j];
         const int64_t v1 = vc + rows[c + j + 1];
-        const __m512 p0 = _mm512_set1_ps(p[j]), p1 = _mm512_set1_ps(p[j + 1]);
+        const __m512 p0 = _mm512_set1_ps(v_weight<KD>(a, p[j], v0 / (16 * NV)));
+        const __m512 p1 = _mm512_set1_ps(v_weight<KD>(a, p[j + 1], v1 / (16 * NV)));
         for (int v = 0; v < NV; ++v) {
           acc0[v] = _mm512_fmadd_ps(p0, kv_load16<KD>(a.v_cache, v0 + 16 * v), acc0[v]);
           acc1[v] = _mm512_fmadd_ps(p1, kv_load16<KD>(a.v_cache, v1 + 16 * v), acc1[v]);
@@ -1168,7 +1179,7 @@ void attn_part_v(const AttnArgs& a, int64_t seq, int64_t part, float* scores, fl
       }
       if (j < cn) {
         const int64_t v0 = vc + rows[c + j];
-        const __m512 p0 = _mm512_set1_ps(p[j]);
+        const __m512 p0 = _mm512_set1_ps(v_weight<KD>(a, p[j], v0 / (16 * NV)));
         for (int v = 0; v < NV; ++v) acc0[v] = _mm512_fmadd_ps(p0, kv_load16<KD>(a.v_cache, v0 + 16 * v), acc0[v]);
       }
       for (int v = 0; v < NV; ++v) {
@@ -1186,9 +1197,17 @@ void attn_part_v(const AttnArgs& a, int64_t seq, int64_t part, float* scores, fl
 }
 #endif
 
-// n cache values from element offset off as float32 (a view when the cache is float32)
-inline const float* kv_row_f32(const AttnArgs& a, const void* cache, int64_t off, int64_t n, float* tmp) {
+// n cache values from element offset off as float32 (a view when the cache is float32);
+// scales: the cache's int8 scales, one per head_dim values
+inline const float* kv_row_f32(const AttnArgs& a, const void* cache, const float* scales, int64_t off, int64_t n,
+                               float* tmp) {
   if (a.kv_dtype == kKvF32) return static_cast<const float*>(cache) + off;
+  if (a.kv_dtype == kKvI8) {
+    const int8_t* q = static_cast<const int8_t*>(cache) + off;
+    const float d = scales[off / a.head_dim];
+    for (int64_t i = 0; i < n; ++i) tmp[i] = float(q[i]) * d;
+    return tmp;
+  }
   const uint16_t* h = static_cast<const uint16_t*>(cache) + off;
   if (a.kv_dtype == kKvF16) {
     for (int64_t i = 0; i < n; ++i) tmp[i] = fp16_to_fp32(h[i]);
@@ -1211,7 +1230,7 @@ void attn_part_generic(const AttnArgs& a, int64_t seq, int64_t part, float* scor
   part_rows(a, bt, s0, n, rows);
   for (int64_t t = s0; t < s1; ++t) {
     for (int64_t kvh = 0; kvh < a.num_kv_heads; ++kvh) {
-      const float* kr = kv_row_f32(a, a.k_cache, rows[t - s0] + kvh * hd, hd, tmp);
+      const float* kr = kv_row_f32(a, a.k_cache, a.k_scale, rows[t - s0] + kvh * hd, hd, tmp);
       for (int64_t g = 0; g < G; ++g) {
         const int64_t h = kvh * G + g;
         scores[h * P + (t - s0)] = dot(q + h * hd, kr, hd) * a.scale;
@@ -1223,7 +1242,7 @@ void attn_part_generic(const AttnArgs& a, int64_t seq, int64_t part, float* scor
     const int64_t kvh = h / G;
     for (int64_t i = 0; i < hd; ++i) acc[i] = 0.0f;
     for (int64_t t = s0; t < s1; ++t)
-      axpy(acc, scores[h * P + (t - s0)], kv_row_f32(a, a.v_cache, rows[t - s0] + kvh * hd, hd, tmp), hd);
+      axpy(acc, scores[h * P + (t - s0)], kv_row_f32(a, a.v_cache, a.v_scale, rows[t - s0] + kvh * hd, hd, tmp), hd);
     std::memcpy(partial_of(a, seq, h, part), acc, size_t(hd) * 4);
   }
 }
@@ -1239,6 +1258,7 @@ void attn_partial(const AttnArgs& a, int64_t t0, int64_t t1, float* scratch) {
   case 16 * NV:                                                                              \
     if (a.kv_dtype == kKvF32) attn_part_v<NV, kKvF32>(a, seq, part, scores, acc);            \
     else if (a.kv_dtype == kKvF16) attn_part_v<NV, kKvF16>(a, seq, part, scores, acc);       \
+    else if (a.kv_dtype == kKvI8) attn_part_v<NV, kKvI8>(a, seq, part, scores, acc);         \
     else attn_part_v<NV, kKvBF16>(a, seq, part, scores, acc);                                \
     continue;
     switch (a.head_dim) {

@@ -9,6 +9,7 @@
 #include <pybind11/stl.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <stdexcept>
@@ -578,8 +579,23 @@ int kv_dtype_of(const std::string& name, const char* what) {
   if (name == "float32") return kKvF32;
   if (name == "float16") return kKvF16;
   if (name == "bfloat16") return kKvBF16;
-  throw std::invalid_argument(std::string(what) + ": kv_dtype must be 'float32', 'float16' or 'bfloat16', got '" +
+  if (name == "int8") return kKvI8;
+  throw std::invalid_argument(std::string(what) + ": kv_dtype must be 'float32', 'float16', 'bfloat16' or 'int8', got '" +
                               name + "'");
+}
+
+// one token's heads x head_dim values into an int8 cache: per head scale = amax / 127 and
+// q = round-half-even(x * (127 / amax)), the same arithmetic as the PyTorch reference
+void store_kv_i8(int8_t* dst, float* scales, const float* src, int64_t heads, int64_t head_dim) {
+  for (int64_t h = 0; h < heads; ++h) {
+    const float* x = src + h * head_dim;
+    float amax = 0.0f;
+    for (int64_t i = 0; i < head_dim; ++i) amax = std::max(amax, std::fabs(x[i]));
+    const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+    for (int64_t i = 0; i < head_dim; ++i)
+      dst[h * head_dim + i] = int8_t(std::clamp(std::nearbyint(x[i] * id), -127.0f, 127.0f));
+    scales[h] = amax / 127.0f;
+  }
 }
 
 // dst[i] = src[i] as the cache dtype (round to nearest even)
@@ -598,7 +614,7 @@ void store_kv(void* dst, int64_t off, const float* src, int64_t n, int dt) {
 
 void rope_and_cache(uintptr_t qkvp, int64_t m, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                     uintptr_t posp, uintptr_t cosp, uintptr_t sinp, uintptr_t kcp, uintptr_t vcp, uintptr_t slotp,
-                    int64_t row_stride, const std::string& kv_dtype) {
+                    int64_t row_stride, const std::string& kv_dtype, uintptr_t ksp, uintptr_t vsp) {
   const int dt = kv_dtype_of(kv_dtype, "rope_and_cache");
   if (m <= 0) return;
   if (head_dim <= 0 || head_dim % 2) throw std::invalid_argument("rope_and_cache: head_dim must be positive and even");
@@ -610,6 +626,8 @@ void rope_and_cache(uintptr_t qkvp, int64_t m, int64_t num_heads, int64_t num_kv
   void* kc = ptr<void>(kcp, "rope_and_cache: k_cache");
   void* vc = ptr<void>(vcp, "rope_and_cache: v_cache");
   const int64_t* slots = ptr<const int64_t>(slotp, "rope_and_cache: slot_mapping");
+  float* ks = dt == kKvI8 ? ptr<float>(ksp, "rope_and_cache: k_scale") : nullptr;
+  float* vs = dt == kKvI8 ? ptr<float>(vsp, "rope_and_cache: v_scale") : nullptr;
   const int64_t kv = num_kv_heads * head_dim;
   if (row_stride == 0) row_stride = (num_heads + 2 * num_kv_heads) * head_dim;
   const KernelTable* k = kt();
@@ -618,6 +636,12 @@ void rope_and_cache(uintptr_t qkvp, int64_t m, int64_t num_heads, int64_t num_kv
     for (int64_t i = b; i < e; ++i) {
       if (slots[i] < 0) continue;
       const float* row = qkv + i * row_stride + num_heads * head_dim;
+      if (dt == kKvI8) {
+        store_kv_i8(static_cast<int8_t*>(kc) + slots[i] * kv, ks + slots[i] * num_kv_heads, row, num_kv_heads, head_dim);
+        store_kv_i8(static_cast<int8_t*>(vc) + slots[i] * kv, vs + slots[i] * num_kv_heads, row + kv, num_kv_heads,
+                    head_dim);
+        continue;
+      }
       store_kv(kc, slots[i] * kv, row, kv, dt);
       store_kv(vc, slots[i] * kv, row + kv, kv, dt);
     }
@@ -646,7 +670,7 @@ constexpr int64_t kAttnPartTokens = 64;  // <= kMaxPartTokens (256) of kernels.c
 void attention_decode(uintptr_t qp, uintptr_t kp, uintptr_t vp, uintptr_t btp, uintptr_t slp, uintptr_t outp,
                       int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                       int64_t block_size, double scale, int64_t max_blocks, int64_t q_stride,
-                      const std::string& kv_dtype) {
+                      const std::string& kv_dtype, uintptr_t ksp, uintptr_t vsp) {
   const int dt = kv_dtype_of(kv_dtype, "attention_decode");
   if (num_seqs <= 0) return;
   if (num_heads <= 0 || num_kv_heads <= 0 || num_heads % num_kv_heads)
@@ -658,6 +682,8 @@ void attention_decode(uintptr_t qp, uintptr_t kp, uintptr_t vp, uintptr_t btp, u
   a.k_cache = ptr<const void>(kp, "attention_decode: k_cache");
   a.v_cache = ptr<const void>(vp, "attention_decode: v_cache");
   a.kv_dtype = dt;
+  a.k_scale = dt == kKvI8 ? ptr<const float>(ksp, "attention_decode: k_scale") : nullptr;
+  a.v_scale = dt == kKvI8 ? ptr<const float>(vsp, "attention_decode: v_scale") : nullptr;
   a.block_table = ptr<const int32_t>(btp, "attention_decode: block_table");
   a.seq_lens = ptr<const int32_t>(slp, "attention_decode: seq_lens");
   a.out = ptr<float>(outp, "attention_decode: out");
@@ -747,10 +773,11 @@ PYBIND11_MODULE(_cpu, m) {
   m.def("rope_and_cache", &rope_and_cache, py::arg("qkv_ptr"), py::arg("m"), py::arg("num_heads"),
         py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("positions_ptr"), py::arg("cos_ptr"), py::arg("sin_ptr"),
         py::arg("k_cache_ptr"), py::arg("v_cache_ptr"), py::arg("slot_mapping_ptr"), py::arg("row_stride") = 0,
-        py::arg("kv_dtype") = "float32",
+        py::arg("kv_dtype") = "float32", py::arg("k_scale_ptr") = 0, py::arg("v_scale_ptr") = 0,
         "On fused qkv rows [m, (num_heads + 2 num_kv_heads) * head_dim]: RoPE on q and k in place, then k and v"
         " of token i written to the paged caches at slot slot_mapping[i] (int64, negative: skipped), converted"
-        " to kv_dtype ('float32', 'float16', 'bfloat16'; round to nearest even).");
+        " to kv_dtype ('float32', 'float16', 'bfloat16': round to nearest even; 'int8': per (slot, kv head)"
+        " scale amax / 127 written to the float32 k_scale / v_scale arrays [slots, num_kv_heads]).");
   m.def("swiglu", &swiglu, py::arg("gate_up_ptr"), py::arg("out_ptr"), py::arg("m"), py::arg("n"),
         "out[m, n] = silu(gate) * up, gate_up float32 [m, 2n].");
   m.def("softmax", &softmax, py::arg("x_ptr"), py::arg("out_ptr"), py::arg("m"), py::arg("n"),
@@ -759,8 +786,9 @@ PYBIND11_MODULE(_cpu, m) {
         py::arg("block_table_ptr"), py::arg("seq_lens_ptr"), py::arg("out_ptr"), py::arg("num_seqs"),
         py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("block_size"),
         py::arg("scale"), py::arg("max_blocks_per_seq"), py::arg("q_stride") = 0, py::arg("kv_dtype") = "float32",
+        py::arg("k_scale_ptr") = 0, py::arg("v_scale_ptr") = 0,
         "One query token per sequence against a paged KV cache [num_blocks, block_size, num_kv_heads, head_dim]"
-        " of kv_dtype ('float32', 'float16', 'bfloat16'); block_table int32 [num_seqs, max_blocks_per_seq],"
+        " of kv_dtype ('float32', 'float16', 'bfloat16', 'int8' with float32 scales [slots, num_kv_heads]); block_table int32 [num_seqs, max_blocks_per_seq],"
         " seq_lens int32 [num_seqs]; out float32 [num_seqs, num_heads * head_dim]; q rows q_stride floats"
         " apart (0: packed).");
   m.def("read_bytes", &read_bytes, py::arg("ptr"), py::arg("nbytes"), py::arg("repeat") = 1,
