@@ -90,6 +90,40 @@ def test_seeded_sampling_is_reproducible(llm):
     assert a.token_ids != c.token_ids
 
 
+def test_outputs_do_not_depend_on_the_batch(llm):
+    """16 requests of different lengths sharing a system prompt: each one's greedy and seeded-sampled tokens
+    are the same alone (no prefix cache) as batched with prefix-cache hits, in small prefill chunks, and
+    through preemptions under a tiny KV cache."""
+    from churon.config import EngineConfig
+    from churon.engine import LLMEngine
+    from churon.kv_cache import kv_bytes_per_token
+
+    tok = llm.tokenizer
+    system = tok.encode("You are a careful assistant who answers briefly and precisely. " * 3)
+    users = [PROMPTS[i % len(PROMPTS)] + " " * (i // len(PROMPTS)) + f" ({i})" * (i % 5) for i in range(16)]
+    prompts = [system + tok.encode(u) for u in users]
+    params = [
+        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+        if i % 2
+        else SamplingParams(temperature=0.8, top_p=0.95, seed=i, max_tokens=20, ignore_eos=True)
+        for i in range(16)
+    ]
+
+    def engine(**options):
+        options.setdefault("kv_cache_memory", 64 << 20)
+        return LLMEngine(llm.model, tok, EngineConfig(**options))
+
+    alone = [engine(enable_prefix_caching=False).generate([p], [sp])[0].token_ids for p, sp in zip(prompts, params)]
+    tiny = kv_bytes_per_token(llm.model.config, llm.model.kv_dtype) * 200  # room for about 2 requests
+    for options in [{}, {"max_num_batched_tokens": 24}, {"block_size": 4, "kv_cache_memory": tiny}]:
+        eng = engine(**options)
+        eng.generate(prompts[:1], params[:1])  # caches the system prompt's blocks
+        assert [o.token_ids for o in eng.generate(prompts, params)] == alone, options
+        assert eng.block_manager.num_hit_blocks > 0, options
+        if "block_size" in options:
+            assert eng.scheduler.num_preemptions > 0
+
+
 def test_stream_pieces_join_to_the_generated_text(llm):
     params = SamplingParams(temperature=0, max_tokens=40, stop=["."])
     pieces = list(llm.stream("The capital of France is", params))
