@@ -129,6 +129,8 @@ struct KernelTable {
   void (*attn_combine)(const AttnArgs& a, int64_t t0, int64_t t1);
   // read n bytes (a bandwidth probe); returns a value depending on all of them
   uint64_t (*read_bytes)(const uint8_t* p, int64_t n);
+  // dst[i] = src[i] as float16 (bf16 false) or bfloat16, round to nearest even
+  void (*to_half)(const float* src, uint16_t* dst, int64_t n, bool bf16);
 };
 
 namespace scalar { const KernelTable* table(); }

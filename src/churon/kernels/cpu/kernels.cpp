@@ -1308,6 +1308,31 @@ void attn_combine(const AttnArgs& a, int64_t t0, int64_t t1) {
   }
 }
 
+// dst[i] = src[i] as float16 (bf16 = false) or bfloat16, bit for bit as fp32_to_fp16 / fp32_to_bf16
+void to_half(const float* src, uint16_t* dst, int64_t n, bool bf16) {
+  int64_t i = 0;
+#if defined(K_AVX512)
+  for (; i + 16 <= n; i += 16) {
+    const __m512 x = _mm512_loadu_ps(src + i);
+    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    __m256i h;
+    if (bf16) {
+      const __m512i u = _mm512_castps_si512(x);
+      const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+      const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+      h = _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc0)));
+    } else {
+      h = _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      const __m256i sign = _mm256_and_si256(_mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(x), 16)),
+                                            _mm256_set1_epi16(int16_t(0x8000)));
+      h = _mm256_mask_mov_epi16(h, nan, _mm256_or_si256(sign, _mm256_set1_epi16(0x7e00)));
+    }
+    _mm256_storeu_si256((__m256i*)(dst + i), h);
+  }
+#endif
+  for (; i < n; ++i) dst[i] = bf16 ? fp32_to_bf16(src[i]) : fp32_to_fp16(src[i]);
+}
+
 uint64_t read_bytes(const uint8_t* p, int64_t n) {
 #if defined(K_AVX512)
   __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
@@ -1347,7 +1372,7 @@ uint64_t read_bytes(const uint8_t* p, int64_t n) {
 const KernelTable* table() {
   static const KernelTable t = {
       CHURON_STR(CHURON_ISA), quantize_act, gemm, dequant_rows, dequant_rows_bf16,
-      rms_norm, add_rms_norm, rope, swiglu, softmax, attn_partial, attn_combine, read_bytes,
+      rms_norm, add_rms_norm, rope, swiglu, softmax, attn_partial, attn_combine, read_bytes, to_half,
   };
   return &t;
 }

@@ -604,12 +604,7 @@ void store_kv(void* dst, int64_t off, const float* src, int64_t n, int dt) {
     std::memcpy(static_cast<float*>(dst) + off, src, size_t(n) * 4);
     return;
   }
-  uint16_t* d = static_cast<uint16_t*>(dst) + off;
-  if (dt == kKvF16) {
-    for (int64_t i = 0; i < n; ++i) d[i] = fp32_to_fp16(src[i]);
-  } else {
-    for (int64_t i = 0; i < n; ++i) d[i] = fp32_to_bf16(src[i]);
-  }
+  kt()->to_half(src, static_cast<uint16_t*>(dst) + off, n, dt == kKvBF16);
 }
 
 void rope_and_cache(uintptr_t qkvp, int64_t m, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
