@@ -474,12 +474,16 @@ class QMatrix {
     b.sum32 += m * a.nb;
     b.sum16 += 2 * m * a.nb;
     quantize_rows(k, lo, m, b);
-    parallel_for(ng, kMatmulGrain, [&](int64_t g0, int64_t g1, int) { k->gemm(w, a, nullptr, mq, y2, nullptr, g0, g1); });
-    const int64_t n = m * w_.rows;
-    for (int64_t i = 0; i < n; ++i) {
-      const float v = y2[i] + y2[n + i];
-      y[i] = bias ? v + bias[i % w_.rows] : v;
-    }
+    const int64_t rows = w_.rows, n = m * rows;
+    parallel_for(ng, kMatmulGrain, [&](int64_t g0, int64_t g1, int) {
+      k->gemm(w, a, nullptr, mq, y2, nullptr, g0, g1);
+      const int64_t r0 = g0 * kGroupRows, r1 = std::min(g1 * kGroupRows, rows);
+      for (int64_t i = 0; i < m; ++i)  // hi + lo of these rows while they are in cache
+        for (int64_t r = r0; r < r1; ++r) {
+          const float v = y2[i * rows + r] + y2[n + i * rows + r];
+          y[i * rows + r] = bias ? v + bias[r] : v;
+        }
+    });
   }
 
   void dequantize(uintptr_t outp) {
