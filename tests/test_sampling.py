@@ -95,6 +95,13 @@ def test_temperature_sharpens():
         ({"presence_penalty": 3.0}, "presence_penalty"),
         ({"stop": [""]}, "stop"),
         ({"logit_bias": {1: math.inf}}, "logit_bias"),
+        ({"logprobs": -1}, "logprobs"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"logprobs": True}, "logprobs"),
+        ({"prompt_logprobs": "5"}, "prompt_logprobs"),
+        ({"prompt_logprobs": 2.0}, "prompt_logprobs"),
+        ({"prompt_logprobs": 21}, "prompt_logprobs"),
+        ({"json_schema": "{}"}, "json_schema"),
     ],
 )
 def test_invalid_parameters_name_the_field_and_value(kwargs, field):

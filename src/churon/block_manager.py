@@ -227,6 +227,8 @@ class BlockManager:
         """Block ids of seq's cached prefix a first allocation would share ([] if it has blocks)."""
         if seq.block_table or not self.enable_prefix_caching:
             return []
+        if seq.params.prompt_logprobs is not None:  # every prompt position must run to get its logits
+            return []
         num_full = (seq.num_tokens - 1) // self.block_size  # leave >= 1 token to compute
         hits: list[int] = []
         bs = self.block_size

@@ -6,6 +6,11 @@ request's sampler picks its token -> detokenizer and stop checks -> text deltas
 A request's tokens depend only on its own prompt, parameters and seed: its sampler and RNG
 are its own, and the kernels compute each token's row the same way whatever else is in the
 batch.
+
+Log-probabilities (params.logprobs, params.prompt_logprobs) are those of the model's own
+distribution, log_softmax of the raw logits, as vLLM reports by default. Prompt logprobs
+need the logits of every prompt position: such a request's prefill chunks return all their
+rows, and it never takes prefix-cache hits (a cached position has no logits).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
+import torch
 from tqdm import tqdm
 
 from churon.block_manager import BlockManager
@@ -24,8 +30,9 @@ from churon.memory import plan_memory
 from churon.model.transformer import Transformer
 from churon.runner import ModelRunner
 from churon.sampling import Sampler, SamplingParams
-from churon.scheduler import Scheduler
+from churon.scheduler import ScheduledSeq, Scheduler
 from churon.sequence import Sequence as Seq
+from churon.structured import Grammar, StructuredOutput
 from churon.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -49,6 +56,24 @@ class Metrics:
 
 
 @dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token_id, logprob), most likely first; len == the requested number
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: Sequence[int], num_top: int) -> list[TokenLogprob]:
+    """logits: float32 [n, vocab] raw rows; for row i, the logprob of token_ids[i] and the num_top most likely tokens."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logprobs[torch.arange(len(token_ids)), torch.as_tensor(list(token_ids), dtype=torch.long)].tolist()
+    top_values, top_ids = logprobs.topk(min(num_top, logprobs.shape[-1]), dim=-1)
+    return [
+        TokenLogprob(token, value, list(zip(ids, values)))
+        for token, value, ids, values in zip(token_ids, chosen, top_ids.tolist(), top_values.tolist())
+    ]
+
+
+@dataclass
 class CompletionOutput:
     text: str
     token_ids: list[int]
@@ -56,6 +81,9 @@ class CompletionOutput:
     prompt_token_ids: list[int]
     metrics: Metrics = field(default_factory=Metrics)
     request_id: int = -1
+    logprobs: list[TokenLogprob] | None = None  # one per token_ids entry, when params.logprobs is set
+    # one per prompt token (the first has none: None), when params.prompt_logprobs is set
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass
@@ -67,6 +95,7 @@ class Delta:
     token_id: int | None
     finish_reason: str | None  # set on the request's last delta
     output: CompletionOutput  # the request so far (shared and updated by later steps: read finish_reason above)
+    logprob: TokenLogprob | None = None  # token_id's, when params.logprobs is set and the token is part of the output
 
 
 def check_prompt(prompt_ids: Sequence[int], vocab_size: int, context_length: int) -> None:
@@ -126,10 +155,14 @@ class StopChecker:
 class Request:
     """One request's sampling, detokenization and stop state around its Sequence."""
 
-    def __init__(self, seq: Seq, tokenizer: Tokenizer, vocab_size: int, context_length: int):
+    def __init__(
+        self, seq: Seq, tokenizer: Tokenizer, vocab_size: int, context_length: int, grammar: Grammar | None = None
+    ):
         params = seq.params
         self.seq = seq
+        self.vocab_size = vocab_size
         self.sampler = Sampler(params, vocab_size, seq.prompt_token_ids)
+        self.grammar = grammar
         self.detok = IncrementalDetokenizer(tokenizer, seq.prompt_token_ids, skip_special_tokens=params.skip_special_tokens)
         self.stopper = StopChecker(params.stop)
         self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(tokenizer.eog_ids))
@@ -139,8 +172,37 @@ class Request:
         self.output = CompletionOutput(
             "", [], None, seq.prompt_token_ids, Metrics(prompt_tokens=len(seq.prompt_token_ids)), seq.seq_id
         )
+        if params.logprobs is not None:
+            self.output.logprobs = []
+        if params.prompt_logprobs is not None:
+            self.output.prompt_logprobs = [None]  # filled in position order as prefill chunks run
 
-    def on_token(self, token: int) -> Delta:
+    @property
+    def needs_prompt_logits(self) -> bool:
+        """Some prompt token's logprob is still unknown: its prefill chunks must return every row."""
+        known = self.output.prompt_logprobs
+        return known is not None and len(known) < len(self.seq.prompt_token_ids)
+
+    def on_prompt_logits(self, logits: torch.Tensor, start: int) -> None:
+        """logits: the raw rows of positions start, start + 1, ...; position p's row scores prompt token p + 1."""
+        known, prompt = self.output.prompt_logprobs, self.seq.prompt_token_ids
+        # after a preemption the prompt runs again from 0: positions already scored are skipped
+        first, end = len(known), min(start + logits.shape[0] + 1, len(prompt))
+        if first <= start:  # cannot happen: such a request takes no prefix-cache hits, so chunks run from 0
+            raise RuntimeError(f"request {self.seq.seq_id}: prompt positions {first - 1}..{start - 1} were never scored")
+        if first < end:
+            rows = logits[first - 1 - start : end - 1 - start, : self.vocab_size]
+            known.extend(token_logprobs(rows, prompt[first:end], self.seq.params.prompt_logprobs))
+
+    def on_logits(self, logits: torch.Tensor) -> Delta:
+        """Sample from the raw logits row of the last token (within the grammar, if any) and take the token."""
+        allowed = self.grammar.allowed_tokens() if self.grammar is not None else None
+        token = self.sampler(logits, allowed)
+        num_top = self.seq.params.logprobs
+        logprob = None if num_top is None else token_logprobs(logits[None, : self.vocab_size], [token], num_top)[0]
+        return self.on_token(token, logprob)
+
+    def on_token(self, token: int, logprob: TokenLogprob | None = None) -> Delta:
         """Take the sampled token: stop checks, text; sets output.finish_reason when the request is done."""
         out = self.output
         now = time.perf_counter()
@@ -148,14 +210,21 @@ class Request:
             self.first_token_time = now
             out.metrics.prefill_seconds = now - self.arrival
             out.metrics.cached_prompt_tokens = self.seq.num_cached_tokens
-        if token in self.stop_ids:
+        if token in self.stop_ids:  # ends the request; not part of the output, nor is its logprob
             out.finish_reason = "stop"
             piece = self.detok.flush()
+            logprob = None
         else:
             self.sampler.accept(token)
             out.token_ids.append(token)
+            if out.logprobs is not None:
+                out.logprobs.append(logprob)
             self.seq.append_token(token)
             piece = self.detok.add(token)
+            if self.grammar is not None:
+                self.grammar.accept(token)
+                if self.grammar.is_terminated:  # the JSON value is complete
+                    out.finish_reason = "stop"
         text, hit_stop = self.stopper.add(piece)
         if hit_stop:
             out.finish_reason = "stop"
@@ -168,7 +237,7 @@ class Request:
         out.text += text
         out.metrics.generated_tokens = len(out.token_ids)
         out.metrics.decode_seconds = now - self.first_token_time
-        return Delta(out.request_id, text, token, out.finish_reason, out)
+        return Delta(out.request_id, text, token, out.finish_reason, out, logprob)
 
 
 class LLMEngine:
@@ -190,6 +259,7 @@ class LLMEngine:
             self.block_manager, self.config.max_num_seqs, self.config.max_num_batched_tokens, self.config.enable_chunked_prefill
         )
         self.runner = ModelRunner(model, self.cache)
+        self.structured_output = StructuredOutput(tokenizer, self.model_config.vocab_size)
         self.requests: dict[int, Request] = {}
 
     def add_request(self, prompt_ids: Sequence[int], params: SamplingParams | None = None) -> int:
@@ -197,8 +267,9 @@ class LLMEngine:
         params = params or SamplingParams()
         prompt_ids = [int(t) for t in prompt_ids]
         check_prompt(prompt_ids, self.model_config.vocab_size, self.context_length)
+        grammar = None if params.json_schema is None else self.structured_output.grammar(params.json_schema)
         seq = Seq(prompt_ids, params)
-        request = Request(seq, self.tokenizer, self.model_config.vocab_size, self.context_length)
+        request = Request(seq, self.tokenizer, self.model_config.vocab_size, self.context_length, grammar)
         total = len(prompt_ids) + request.max_new
         if not self.scheduler.can_ever_fit(total, len(prompt_ids)):
             capacity = self.memory_plan.num_blocks * self.config.block_size
@@ -227,23 +298,31 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
-        logits = self.runner.execute(out.scheduled)
+        all_rows = [self._needs_all_logits(s) for s in out.scheduled]
+        logits = self.runner.execute(out.scheduled, all_rows)
         deltas = []
         row = 0
-        for s in out.scheduled:
+        for s, all_logits in zip(out.scheduled, all_rows):
             seq = s.seq
             seq.num_computed_tokens += s.num_tokens
             self.block_manager.commit(seq)
+            num_rows = s.num_tokens if all_logits else int(s.sample)
+            rows = logits[row : row + num_rows]
+            row += num_rows
+            request = self.requests[seq.seq_id]
+            if all_logits:
+                request.on_prompt_logits(rows, s.start)
             if not s.sample:
                 continue
-            request = self.requests[seq.seq_id]
-            delta = request.on_token(request.sampler(logits[row]))
-            row += 1
+            delta = request.on_logits(rows[-1])
             if delta.finish_reason is not None:
                 self.scheduler.finish(seq, delta.finish_reason)
                 del self.requests[seq.seq_id]
             deltas.append(delta)
         return deltas
+
+    def _needs_all_logits(self, s: ScheduledSeq) -> bool:
+        return self.requests[s.seq.seq_id].needs_prompt_logits and s.start < s.seq.num_prompt_tokens - 1
 
     def stream(self, prompt_ids: Sequence[int], params: SamplingParams | None = None) -> Iterator[Delta]:
         """One request's deltas as they come (requests already queued progress alongside)."""

@@ -5,6 +5,8 @@ scheduled sequences -> ForwardBatch (positions, slot mapping, block tables) -> m
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
 from churon.kv_cache import PagedKVCache
@@ -18,11 +20,15 @@ class ModelRunner:
         self.model = model
         self.cache = cache
 
-    def execute(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
-        """Run one step; float32 logits [sequences that sample, vocab], in the order of `scheduled`."""
+    def execute(self, scheduled: list[ScheduledSeq], all_logits: Sequence[bool] | None = None) -> torch.Tensor:
+        """Run one step; float32 logits in the order of `scheduled`: every row of the sequences
+        all_logits marks (prompt logprobs), else one row for each sequence that samples."""
+        all_logits = all_logits or [False] * len(scheduled)
         chunks = [
-            SequenceChunk(s.seq.token_ids[: s.start + s.num_tokens], s.start, s.seq.block_table, need_logits=s.sample)
-            for s in scheduled
+            SequenceChunk(
+                s.seq.token_ids[: s.start + s.num_tokens], s.start, s.seq.block_table, need_logits=s.sample, all_logits=every
+            )
+            for s, every in zip(scheduled, all_logits, strict=True)
         ]
         batch = ForwardBatch.build(chunks, self.cache.block_size)
         return self.model.forward_batch(batch, self.cache)

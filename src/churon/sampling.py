@@ -1,8 +1,9 @@
 """SamplingParams and the per-request Sampler: logits processors, then a seeded draw.
 
 Order, as vLLM and llama.cpp apply them: repetition / presence / frequency penalties and
-logit bias on the raw logits; then temperature; then top-k, top-p and min-p filtering;
-then a draw from the remaining distribution. Temperature 0 is exact argmax.
+logit bias on the raw logits; then the structured-output mask (tokens the grammar forbids
+go to -inf); then temperature; then top-k, top-p and min-p filtering; then a draw from the
+remaining distribution. Temperature 0 is exact argmax.
 """
 
 from __future__ import annotations
@@ -13,6 +14,9 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
+
+
+MAX_LOGPROBS = 20  # the most alternatives a token's logprobs carry (OpenAI's limit)
 
 
 @dataclass
@@ -31,6 +35,11 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False  # keep going past end-of-generation tokens (benchmarks)
     skip_special_tokens: bool = True
+    # log-probabilities of the model's own distribution (log_softmax of the raw logits, before
+    # penalties, mask and temperature), with this many most likely alternatives (0..20)
+    logprobs: int | None = None  # for every generated token
+    prompt_logprobs: int | None = None  # for every prompt token after the first
+    json_schema: dict | None = None  # constrain the output to JSON valid against this schema
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -50,6 +59,12 @@ class SamplingParams:
         _check(self.seed is None or isinstance(self.seed, int), "seed", self.seed, "an integer")
         for token, bias in self.logit_bias.items():
             _check(math.isfinite(bias), "logit_bias", {token: bias}, "finite numbers")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            ok = value is None or (isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_LOGPROBS)
+            _check(ok, name, value, f"None or an integer in [0, {MAX_LOGPROBS}]")
+        # the schema itself is compiled (and rejected when invalid) by the engine's add_request
+        _check(self.json_schema is None or isinstance(self.json_schema, dict), "json_schema", self.json_schema, "None or a dict")
 
     @property
     def greedy(self) -> bool:
@@ -89,8 +104,11 @@ class Sampler:
         self.output_counts[token] += 1
         self.seen[token] = True
 
-    def __call__(self, logits: torch.Tensor) -> int:
-        """logits: float32 [vocab] (may be wider than the vocabulary: padding columns are ignored)."""
+    def __call__(self, logits: torch.Tensor, allowed: torch.Tensor | None = None) -> int:
+        """logits: float32 [vocab] (may be wider than the vocabulary: padding columns are ignored).
+
+        allowed: bool [vocab], the tokens a structured-output grammar permits now (None: all).
+        """
         p = self.params
         logits = logits[: self.vocab_size].clone()
         if p.repetition_penalty != 1.0:
@@ -100,6 +118,8 @@ class Sampler:
             logits -= p.presence_penalty * (self.output_counts > 0) + p.frequency_penalty * self.output_counts
         if self.bias is not None:
             logits += self.bias
+        if allowed is not None:
+            logits[~allowed[: self.vocab_size]] = -math.inf
         if p.greedy:
             return int(torch.argmax(logits))
         logits /= p.temperature

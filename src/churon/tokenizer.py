@@ -186,6 +186,7 @@ class Tokenizer:
     ) -> None:
         self._hf = hf
         self._hf_plain: HFTokenizer | None = None  # the same with special tokens not parsed; built on demand
+        self._hf_bytes: list[bytes] | None = None  # Hugging Face files only: every token's bytes, built on demand
         self._lock = threading.Lock()
         self._source = source
         self.bos_id = bos_id
@@ -221,6 +222,35 @@ class Tokenizer:
         if self._piece_bytes is not None:
             return self._piece_bytes[id].decode("utf-8", errors="replace")
         return self._hf.decode([id], skip_special_tokens=False)
+
+    def token_bytes(self, id: int) -> bytes:
+        """The raw bytes token `id` stands for: byte-level BPE pieces mapped back to bytes,
+        SentencePiece's "▁" to a space, byte-fallback "<0xAB>" to its byte, special tokens
+        as their text. b"" for ids outside the vocabulary (a model's padding rows)."""
+        table = self._piece_bytes if self._piece_bytes is not None else self._hf_token_bytes()
+        return table[id] if 0 <= id < len(table) else b""
+
+    def _hf_token_bytes(self) -> list[bytes]:
+        # built once: structured output asks for every token's bytes
+        if self._hf_bytes is None:
+            with self._lock:
+                if self._hf_bytes is None:
+                    decoder = json.dumps(json.loads(self._hf.to_str()).get("decoder"))
+                    byte_level = '"ByteLevel"' in decoder
+                    added = self._hf.get_added_tokens_decoder()
+                    vocab = self._hf.get_vocab(with_added_tokens=True)
+                    table = [b""] * (max(vocab.values(), default=-1) + 1)
+                    for text, i in vocab.items():
+                        if i in added:
+                            table[i] = added[i].content.encode("utf-8")
+                        elif byte_level:
+                            table[i] = _byte_level_to_bytes(text)
+                        elif len(text) == 6 and text.startswith("<0x") and text.endswith(">"):
+                            table[i] = bytes([int(text[3:5], 16)])
+                        else:
+                            table[i] = text.replace(SPM_SPACE, " ").encode("utf-8")
+                    self._hf_bytes = table
+        return self._hf_bytes
 
     def token_to_id(self, token: str) -> int | None:
         """The id of a token given its vocabulary text (e.g. "<|im_end|>"), or None."""
