@@ -1097,9 +1097,51 @@ inline float v_weight(const AttnArgs& a, float p, int64_t scale_index) {
   return p;
 }
 
+// V pass: heads that share a KV head, kVHeads<NV> at a time (their accumulators in registers),
+// so each V row is loaded and converted once for all of them. Per head two accumulators
+// (even / odd positions of the partition), positions in order.
+template <int NV>
+constexpr int kVHeads = NV <= 2 ? 6 : NV <= 4 ? 3 : NV <= 6 ? 2 : 1;
+
+template <int NV, int KD, int NB>
+void v_heads(const AttnArgs& a, int64_t seq, int64_t part, const int64_t* rows, int64_t n, const float* scores,
+             int64_t h0, int64_t kvh) {
+  const int64_t P = a.part_tokens;
+  const int64_t vc = kvh * 16 * NV;
+  __m512 acc[2][NB][NV];
+  for (int e = 0; e < 2; ++e)
+    for (int b = 0; b < NB; ++b)
+      for (int v = 0; v < NV; ++v) acc[e][b][v] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; ++j) {
+    const int e = int(j & 1);
+    const int64_t off = vc + rows[j];
+    __m512 r[NV];
+    for (int v = 0; v < NV; ++v) r[v] = kv_load16<KD>(a.v_cache, off + 16 * v);
+    for (int b = 0; b < NB; ++b) {
+      const __m512 pb = _mm512_set1_ps(v_weight<KD>(a, scores[(h0 + b) * P + j], off / (16 * NV)));
+      for (int v = 0; v < NV; ++v) acc[e][b][v] = _mm512_fmadd_ps(pb, r[v], acc[e][b][v]);
+    }
+  }
+  for (int b = 0; b < NB; ++b) {
+    float* po = partial_of(a, seq, h0 + b, part);
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(po + 16 * v, _mm512_add_ps(acc[0][b][v], acc[1][b][v]));
+  }
+}
+
+// v_heads for nb (<= NB) heads
+template <int NV, int KD, int NB>
+inline void v_heads_upto(int64_t nb, const AttnArgs& a, int64_t seq, int64_t part, const int64_t* rows, int64_t n,
+                         const float* scores, int64_t h0, int64_t kvh) {
+  if constexpr (NB >= 1) {
+    if (nb == NB)
+      v_heads<NV, KD, NB>(a, seq, part, rows, n, scores, h0, kvh);
+    else
+      v_heads_upto<NV, KD, NB - 1>(nb, a, seq, part, rows, n, scores, h0, kvh);
+  }
+}
+
 // head_dim = 16 * NV. Scores: position by position in cache order, each K row read once for
-// the heads that share it, dot products reduced 8 positions at a time. Output: head by head
-// over chunks of 16 positions (the chunk's V rows stay in L1 for the heads of a kv head).
+// the heads that share it, dot products reduced 8 positions at a time. Output: v_heads.
 template <int NV, int KD>
 void attn_part_v(const AttnArgs& a, int64_t seq, int64_t part, float* scores, float* accbuf) {
   constexpr int64_t ES = KD == kKvF32 ? 4 : KD == kKvI8 ? 1 : 2;  // bytes per cache element
@@ -1153,47 +1195,10 @@ void attn_part_v(const AttnArgs& a, int64_t seq, int64_t part, float* scores, fl
     }
   }
   part_softmax(a, seq, part, scores, n);
-  // accbuf: per head two accumulators (even / odd positions of the partition) of NV vectors
-  for (int64_t i = 0; i < H * 2 * NV; ++i) _mm512_storeu_ps(accbuf + 16 * i, _mm512_setzero_ps());
-  for (int64_t c = 0; c < n; c += 16) {
-    const int64_t cn = imin<int64_t>(16, n - c);
-    for (int64_t h = 0; h < H; ++h) {
-      const int64_t vc = (h / G) * 16 * NV;
-      const float* p = scores + h * P + c;
-      float* ab = accbuf + h * 2 * NV * 16;
-      __m512 acc0[NV], acc1[NV];
-      for (int v = 0; v < NV; ++v) {
-        acc0[v] = _mm512_loadu_ps(ab + 16 * v);
-        acc1[v] = _mm512_loadu_ps(ab + 16 * (NV + v));
-      }
-      int64_t j = 0;
-      for (; j + 2 <= cn; j += 2) {  // c is even: j's parity is the position's parity
-        const int64_t v0 = vc + rows[c + j];
-        const int64_t v1 = vc + rows[c + j + 1];
-        const __m512 p0 = _mm512_set1_ps(v_weight<KD>(a, p[j], v0 / (16 * NV)));
-        const __m512 p1 = _mm512_set1_ps(v_weight<KD>(a, p[j + 1], v1 / (16 * NV)));
-        for (int v = 0; v < NV; ++v) {
-          acc0[v] = _mm512_fmadd_ps(p0, kv_load16<KD>(a.v_cache, v0 + 16 * v), acc0[v]);
-          acc1[v] = _mm512_fmadd_ps(p1, kv_load16<KD>(a.v_cache, v1 + 16 * v), acc1[v]);
-        }
-      }
-      if (j < cn) {
-        const int64_t v0 = vc + rows[c + j];
-        const __m512 p0 = _mm512_set1_ps(v_weight<KD>(a, p[j], v0 / (16 * NV)));
-        for (int v = 0; v < NV; ++v) acc0[v] = _mm512_fmadd_ps(p0, kv_load16<KD>(a.v_cache, v0 + 16 * v), acc0[v]);
-      }
-      for (int v = 0; v < NV; ++v) {
-        _mm512_storeu_ps(ab + 16 * v, acc0[v]);
-        _mm512_storeu_ps(ab + 16 * (NV + v), acc1[v]);
-      }
-    }
-  }
-  for (int64_t h = 0; h < H; ++h) {
-    const float* ab = accbuf + h * 2 * NV * 16;
-    float* po = partial_of(a, seq, h, part);
-    for (int v = 0; v < NV; ++v)
-      _mm512_storeu_ps(po + 16 * v, _mm512_add_ps(_mm512_loadu_ps(ab + 16 * v), _mm512_loadu_ps(ab + 16 * (NV + v))));
-  }
+  for (int64_t kvh = 0; kvh < a.num_kv_heads; ++kvh)
+    for (int64_t h0 = kvh * G; h0 < (kvh + 1) * G; h0 += kVHeads<NV>)
+      v_heads_upto<NV, KD, kVHeads<NV>>(imin<int64_t>(kVHeads<NV>, (kvh + 1) * G - h0), a, seq, part, rows, n, scores,
+                                        h0, kvh);
 }
 #endif
 
