@@ -115,6 +115,7 @@ def first_equal(a: list[int], b: list[int]) -> int:
 def build_workload(args) -> dict:
     """Token-id prompts for every phase, tokenized by churon's tokenizer (read from the GGUF, no weights)."""
     from churon.config import EngineConfig
+    from churon.kv_cache import kv_bytes_per_token
     from churon.loader import open_model
 
     source = open_model(args.model)
@@ -146,22 +147,34 @@ def build_workload(args) -> dict:
         "prefix": {"systems": systems, "users": users},
         "warmup": warmup,
         "text_tokens": len(tokens),
-        "kv_bytes_per_token_fp32": source.config.kv_bytes_per_token(4),
+        "kv_bytes_per_token": kv_bytes_per_token(source.config, churon_kv_dtype(args)),
         "block_size_hint": EngineConfig().block_size,
     }
 
 
 # ---------------------------------------------------------------- churon phases
 
+def churon_kv_dtype(args):
+    """The torch dtype churon's KV cache will have for these arguments."""
+    import torch
+
+    from churon.kernels.backend import make_backend
+    from churon.kv_cache import KV_DTYPES
+
+    if args.churon_kv_dtype != "auto":
+        return KV_DTYPES[args.churon_kv_dtype]
+    return make_backend("auto", getattr(torch, args.churon_dtype)).kv_dtype
+
+
 def churon_llm(args, workload: dict, max_num_seqs: int, seq_len: int, concurrent: int,
                enable_prefix_caching: bool = True):
     """An LLM for one phase. With --kv-cache-memory auto its KV cache holds `concurrent` sequences of seq_len tokens."""
     from churon import LLM
 
-    options = {"max_num_seqs": max_num_seqs, "enable_prefix_caching": enable_prefix_caching}
+    options = {"max_num_seqs": max_num_seqs, "enable_prefix_caching": enable_prefix_caching,
+               "kv_dtype": args.churon_kv_dtype}
     if args.kv_cache_memory == "auto":
-        itemsize = 2 if args.churon_dtype in ("bfloat16", "bf16") else 4  # the KV cache takes the model's dtype
-        bytes_per_token = workload["kv_bytes_per_token_fp32"] * itemsize // 4
+        bytes_per_token = workload["kv_bytes_per_token"]
         block = workload["block_size_hint"]
         seq_tokens = block * math.ceil((seq_len + 1) / block)
         options["kv_cache_memory"] = (concurrent + 1) * seq_tokens * bytes_per_token  # one sequence of slack
@@ -515,7 +528,7 @@ def child_argv(args, phase: str, workload_path: str, result_path: str) -> list[s
     argv = [sys.executable, os.path.abspath(__file__), "--only", phase]
     argv += ["--workload", workload_path, "--result", result_path]
     for flag in ("model", "threads", "prompt_len", "max_tokens", "num_requests", "sequential_requests", "churon_dtype",
-                 "kv_cache_memory", "llamacpp_batch", "llamacpp_ubatch", "llamacpp_check", "prefix_max_num_seqs"):
+                 "churon_kv_dtype", "kv_cache_memory", "llamacpp_batch", "llamacpp_ubatch", "llamacpp_check", "prefix_max_num_seqs"):
         argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     return argv
 
@@ -550,7 +563,8 @@ def report(args, results: dict, seconds: float, load_before: float) -> dict:
                          None, None, None, "same context, sanity rerun"))
 
     print(f"\nSmolLM2-135M-Instruct Q4_1, {args.threads} threads; {args.num_requests} requests x {args.prompt_len} prompt"
-          f" tokens -> {args.max_tokens} output tokens each (greedy, EOS ignored); churon {args.churon_dtype}")
+          f" tokens -> {args.max_tokens} output tokens each (greedy, EOS ignored); churon {args.churon_dtype},"
+          f" KV cache {churon_kv_dtype(args)}")
     print(f"{'engine':<11}{'setting':<34}{'out tok/s':>10}{'wall s':>9}{'CPU %':>7}{'peak RSS MiB':>14}  note")
     for engine, setting, rate, wall, cpu, rss, note in rows:
         print(f"{engine:<11}{setting:<34}{fmt(rate):>10}{fmt(wall):>9}{fmt(cpu, '.0f'):>7}{fmt(rss, '.0f'):>14}  {note}")
@@ -641,6 +655,7 @@ def main() -> None:
     parser.add_argument("--sequential-requests", type=int, default=8,
                         help="churon one-at-a-time: run only the first N requests and extrapolate (0: all, -1: skip)")
     parser.add_argument("--churon-dtype", default="float32")
+    parser.add_argument("--churon-kv-dtype", default="auto", help="churon's KV cache dtype (auto: the kernels' default)")
     parser.add_argument("--kv-cache-memory", default="auto",
                         help="churon KV cache: auto (sized for the workload), default (the engine's), or MiB")
     parser.add_argument("--llamacpp-parallel", type=int_list, default=[16, 32],
