@@ -51,6 +51,25 @@ def test_top_p_keeps_smallest_set_reaching_p():
     assert got == {0, 1}
 
 
+@pytest.mark.parametrize("top_p", [0.05, 0.5, 0.9, 0.999])
+@pytest.mark.parametrize("spread", [0.5, 3.0])  # flat and peaked distributions over a 49152-token vocabulary
+def test_top_p_set_equals_a_full_sort(top_p, spread):
+    from churon.sampling import _outside_top_p
+
+    logits = torch.randn(49152, generator=torch.Generator().manual_seed(7)) * spread
+    sorted_logits, order = torch.sort(logits, descending=True)
+    probs = torch.softmax(sorted_logits.double(), dim=-1)
+    before = torch.empty(49152, dtype=torch.float64)
+    before[order] = probs.cumsum(-1) - probs  # the probability of the tokens more likely than each
+    want = before >= top_p
+    want[order[0]] = False
+    got = _outside_top_p(logits, top_p)
+    kept = int((~got).sum())
+    # float32 against float64 sums may disagree only on tokens right at the edge
+    assert ((before[got != want] - top_p).abs() < 1e-5).all() and kept >= 1
+    assert kept == 1 or kept > 64 or top_p < 0.9  # the flat cases need more than the first 64 candidates
+
+
 def test_min_p_drops_tokens_below_fraction_of_best():
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
     got = set(draw(SamplingParams(temperature=1.0, min_p=0.5, seed=2), probs.log().tolist(), n=400))

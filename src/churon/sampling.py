@@ -110,7 +110,11 @@ class Sampler:
         allowed: bool [vocab], the tokens a structured-output grammar permits now (None: all).
         """
         p = self.params
-        logits = logits[: self.vocab_size].clone()
+        logits = logits[: self.vocab_size]
+        edits = p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty or self.bias is not None
+        if p.greedy and not edits and allowed is None:
+            return int(torch.argmax(logits))
+        logits = logits.clone()  # the steps below edit it in place
         if p.repetition_penalty != 1.0:
             penalized = logits[self.seen]
             logits[self.seen] = torch.where(penalized > 0, penalized / p.repetition_penalty, penalized * p.repetition_penalty)
@@ -127,12 +131,32 @@ class Sampler:
             kth = torch.topk(logits, p.top_k).values[-1]
             logits[logits < kth] = -math.inf
         if p.top_p < 1.0:
-            sorted_logits, order = torch.sort(logits, descending=True)
-            cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
-            # drop a token when the tokens before it already reach top_p; the first always stays
-            drop = (cumulative - torch.softmax(sorted_logits, dim=-1)) >= p.top_p
-            logits[order[drop]] = -math.inf
+            logits[_outside_top_p(logits, p.top_p)] = -math.inf
         probs = torch.softmax(logits, dim=-1)
         if p.min_p > 0:
             probs[probs < p.min_p * probs.max()] = 0
-        return int(torch.multinomial(probs, 1, generator=self.generator))
+        # inverse CDF: ~60 us, where torch.multinomial takes ~1 ms over a 49k vocabulary
+        cdf = probs.cumsum(0)
+        u = torch.rand(1, generator=self.generator) * cdf[-1]
+        return int(torch.searchsorted(cdf, u, right=True))  # the first token whose cdf exceeds u
+
+
+def _outside_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Bool mask of the tokens outside the smallest most-likely set whose probability reaches top_p:
+    a token goes when the tokens before it (most likely first) already reach top_p; the first stays.
+
+    Only as many candidates are sorted as the set needs (sorting a 49k vocabulary costs about a
+    millisecond per token, a batch's worth of them a whole decode step).
+    """
+    n = logits.shape[0]
+    log_total = torch.logsumexp(logits, dim=0)
+    k = min(64, n)
+    while True:
+        values, ids = torch.topk(logits, k)  # most likely first
+        probs = (values - log_total).exp()
+        if k == n or float(probs.sum()) >= top_p:  # every token after these k goes
+            break
+        k = n if k >= 1024 else min(1024, n)
+    outside = torch.ones(n, dtype=torch.bool)
+    outside[ids[probs.cumsum(0) - probs < top_p]] = False
+    return outside
