@@ -1,4 +1,4 @@
-"""The `churon` command: pull, list, run, chat, inspect."""
+"""The `churon` command: pull, list, run, chat, inspect, quantize, eval."""
 
 from __future__ import annotations
 
@@ -266,6 +266,116 @@ def _print_native_layouts(m) -> None:
         print(f"  {getattr(kind, 'name', kind):<8} {backend.matrix(w).layout}")
 
 
+def cmd_quantize(args) -> int:
+    from churon.quantize import quantize_model
+
+    calib_text = None
+    if args.calib is not None:
+        try:
+            calib_text = Path(args.calib).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ChuronError(f"--calib {args.calib}: cannot read the calibration text: {e}") from None
+    report = quantize_model(args.src, args.out, args.type, method=args.method, calib_text=calib_text, keep=args.keep,
+                            target_bpw=args.target_bpw, progress=not args.quiet, pure=args.pure)
+    rows = [(name, count, f"{params:,}", _bytes(size), f"{size * 8 / params:.2f}")
+            for name, (count, params, size) in sorted(report.by_type().items(), key=lambda kv: -kv[1][2])]
+    _table(["type", "tensors", "parameters", "bytes", "bits/weight"], rows)
+    print(f"\n{report.path}: {_bytes(report.file_bytes)}, {report.bits_per_weight:.3f} bits per weight "
+          f"({report.method}, {report.seconds:.1f} s)")
+    return 0
+
+
+EVAL_KV_BYTES = 16 << 20  # the engine's KV cache goes unused by eval (each window runs on its own cache)
+
+
+def _eval_model(model: str, args):
+    from churon.llm import LLM
+
+    return LLM(model, dtype=args.dtype, kernels=args.kernels, threads=args.threads, kv_cache_memory=EVAL_KV_BYTES)
+
+
+def _eval_text(args) -> str:
+    """The text to score, read (and --ctx checked) before any model loads."""
+    if args.ctx < 2:
+        raise ChuronError(f"--ctx {args.ctx}: a window needs at least 2 tokens")
+    try:
+        return Path(args.text).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ChuronError(f"--text {args.text}: cannot read the text: {e}") from None
+
+
+def _eval_windows(tokenizer, text: str, args) -> list[list[int]]:
+    """The text's tokens in windows of --ctx, as llama-perplexity cuts them."""
+    from churon.evaluation import text_windows
+
+    tokens = tokenizer.encode(text, add_bos=False)
+    windows = text_windows(tokens, args.ctx, args.max_windows, bos_id=tokenizer.bos_id if tokenizer.add_bos else None)
+    if not windows:
+        raise ChuronError(f"--text {args.text}: {len(tokens)} tokens, fewer than one window of --ctx {args.ctx}")
+    return windows
+
+
+def _progress(windows: list, quiet: bool):
+    from tqdm import tqdm
+
+    return tqdm(windows, desc="eval", unit="window", disable=quiet, file=sys.stderr)
+
+
+def _write_json(path: str | None, record: dict) -> None:
+    import json
+
+    if path:
+        Path(path).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+
+
+def cmd_eval_perplexity(args) -> int:
+    from churon.evaluation import perplexity, scored_positions
+
+    text = _eval_text(args)
+    llm = _eval_model(args.model, args)
+    windows = _eval_windows(llm.tokenizer, text, args)
+    ppl = perplexity(llm.model, _progress(windows, args.quiet))
+    pos = scored_positions(args.ctx)
+    n_tokens = len(windows) * (pos.stop - pos.start)
+    _table(["model", "perplexity", "scored tokens"], [(args.model, f"{ppl:.4f}", n_tokens)])
+    _write_json(args.json, {"model": args.model, "text": args.text, "ctx": args.ctx, "windows": len(windows),
+                            "n_tokens": n_tokens, "perplexity": ppl})
+    return 0
+
+
+def cmd_eval_compare(args) -> int:
+    from churon.evaluation import compare
+
+    text = _eval_text(args)
+    ref = _eval_model(args.reference, args)
+    test = _eval_model(args.model, args)
+    if ref.config.vocab_size != test.config.vocab_size:
+        raise ChuronError(f"{args.model} has a vocabulary of {test.config.vocab_size} tokens and {args.reference} of "
+                          f"{ref.config.vocab_size}: their distributions cannot be compared")
+    windows = _eval_windows(ref.tokenizer, text, args)
+    c = compare(ref.model, test.model, _progress(windows, args.quiet))
+    _table(["model", "perplexity", "mean KL", "p99 KL", "top-1"], [
+        (f"{args.reference} (reference)", f"{c.ppl_ref:.4f}", "", "", ""),
+        (args.model, f"{c.ppl_test:.4f}", f"{c.mean_kl:.6f}", f"{c.p99_kl:.6f}", f"{100 * c.top1_agreement:.2f}%"),
+    ])
+    print(f"\n{len(windows)} windows of {args.ctx} tokens, {c.n_tokens} scored (KL(reference || model) per token)")
+    _write_json(args.json, {"model": args.model, "reference": args.reference, "text": args.text, "ctx": args.ctx,
+                            "windows": len(windows), **c.as_dict()})
+    return 0
+
+
+def _add_eval_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--text", required=True, metavar="FILE", help="UTF-8 text to score")
+    p.add_argument("--ctx", type=int, default=512, help="window length in tokens; the second half of each is scored (default 512)")
+    p.add_argument("--max-windows", type=int, default=None, help="score only the first N windows")
+    p.add_argument("--json", default=None, metavar="FILE", help="also write the figures as JSON")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: physical cores)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="activations (bfloat16: reference kernels)")
+    p.add_argument("--kernels", default="auto", choices=["auto", "native", "reference"],
+                   help="native CPU kernels, or the plain PyTorch reference (default: native when built)")
+    p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="churon", description="Run open-weight language models locally.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -294,6 +404,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tensors", action="store_true", help="list every tensor")
     p.add_argument("--kv-dtype", default="f16", choices=list(KV_DTYPE_ARGS), help="KV cache element type (default f16, the native path's)")
     p.set_defaults(func=cmd_inspect)
+
+    p = sub.add_parser("quantize", help="write a model (HF directory or GGUF) as a GGUF of another type")
+    p.add_argument("src", help="registry name, .gguf file or HF directory (bf16/fp16/fp32 safetensors)")
+    p.add_argument("out", help="output .gguf file")
+    p.add_argument("--type", required=True, metavar="TYPE",
+                   help="F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q4_K Q5_K Q6_K (1-D tensors stay F32; llama.cpp's"
+                        " choices for the output and some attn_v/ffn_down tensors unless --pure)")
+    p.add_argument("--method", default="rtn", help="rtn (default), imatrix, awq or gptq (the last three calibrate)")
+    p.add_argument("--calib", default=None, metavar="FILE", help="calibration text (default: churon's own)")
+    p.add_argument("--keep", action="append", default=[], metavar="PATTERN=TYPE",
+                   help="type for tensors whose GGUF name matches the glob, e.g. 'output.weight=Q8_0' (repeatable)")
+    p.add_argument("--target-bpw", type=float, default=None, metavar="X",
+                   help="raise the tensors most sensitive on the calibration text until X bits per weight")
+    p.add_argument("--pure", action="store_true", help="every 2-D tensor in TYPE (llama-quantize --pure)")
+    p.add_argument("--quiet", "-q", action="store_true", help="no progress bars")
+    p.set_defaults(func=cmd_quantize)
+
+    evaluate = sub.add_parser("eval", help="model quality on a text: perplexity, KL divergence from a reference")
+    evaluate = evaluate.add_subparsers(dest="eval", required=True)
+    p = evaluate.add_parser("perplexity", help="llama-perplexity's perplexity over windows of a text")
+    p.add_argument("model", help="registry name, .gguf file or HF directory")
+    p.set_defaults(func=cmd_eval_perplexity)
+    _add_eval_args(p)
+    p = evaluate.add_parser("compare", help="KL(REFERENCE || MODEL), top-1 agreement and both perplexities")
+    p.add_argument("model", help="the model under test (e.g. a quantized GGUF)")
+    p.add_argument("reference", help="the reference model (e.g. the float original)")
+    p.set_defaults(func=cmd_eval_compare)
+    _add_eval_args(p)
     return parser
 
 

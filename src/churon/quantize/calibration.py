@@ -1,0 +1,144 @@
+"""Calibration: the statistics of every linear layer's inputs, gathered by running the model on text.
+
+The model runs in float32 on the reference backend, wrapped so that each matmul also reports its
+input rows x [tokens, cols]. Per weight (by GGUF tensor name) this keeps
+
+    count     tokens seen
+    sum_sq    sum of x^2 per input column: llama.cpp's importance matrix (tools/imatrix)
+    sum_abs   sum of |x| per input column: AWQ's activation magnitude
+    hessian   sum of x x^T [cols, cols] (optional): GPTQ's Hessian, and the exact calibration
+              output error of any weight change D as tr(D H D^T) (AWQ's search objective)
+
+q, k and v read the same input, as do gate and up: their names share one ActivationStats object.
+Inputs are the same whichever row layout q/k are stored in (the llama permutation moves rows), so
+these statistics apply to llama.cpp's layout as they are.
+
+Text is cut into windows of ctx tokens as llama.cpp's imatrix tool does (consecutive chunks, BOS
+written over the first token when the model asks for one), each run as one prefill.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from tqdm import tqdm
+
+from churon.evaluation import text_windows, window_logits
+from churon.formats.gguf import GGUFModel
+from churon.formats.hf import HFModel
+from churon.kernels.backend import ReferenceBackend
+from churon.model.transformer import Transformer
+
+DEFAULT_CTX = 512
+
+
+@dataclass
+class ActivationStats:
+    """Running statistics of one linear layer's input rows."""
+
+    count: int
+    sum_sq: torch.Tensor  # float64 [cols]
+    sum_abs: torch.Tensor  # float64 [cols]
+    hessian: torch.Tensor | None = None  # float64 [cols, cols], sum of x x^T
+
+    @classmethod
+    def empty(cls, cols: int, hessian: bool) -> "ActivationStats":
+        z = torch.zeros(cols, dtype=torch.float64)
+        return cls(0, z, z.clone(), torch.zeros(cols, cols, dtype=torch.float64) if hessian else None)
+
+    def add(self, x: torch.Tensor) -> None:
+        """Accumulate input rows x [tokens, cols]."""
+        x = x.reshape(-1, x.shape[-1]).float()
+        self.count += x.shape[0]
+        self.sum_sq += x.square().sum(0, dtype=torch.float64)
+        self.sum_abs += x.abs().sum(0, dtype=torch.float64)
+        if self.hessian is not None:
+            # one window's product in float32 (512 terms: ~1e-6 relative), the running sum in float64
+            self.hessian += (x.T @ x).double()
+
+    @property
+    def mean_sq(self) -> torch.Tensor:
+        return self.sum_sq / max(self.count, 1)
+
+    @property
+    def mean_abs(self) -> torch.Tensor:
+        return self.sum_abs / max(self.count, 1)
+
+
+class _RecordingBackend(ReferenceBackend):
+    """The float32 reference backend, feeding every matmul's input to the stats of its weight."""
+
+    def __init__(self) -> None:
+        super().__init__(torch.float32)
+        self.stats_of: dict[int, ActivationStats] = {}  # id(weight tensor) -> its input stats
+
+    def linear(self, w: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if id(w) in self.stats_of:
+            self.stats_of[id(w)].add(x)
+        return super().linear(w, x, bias)
+
+    def linear_precise(self, w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        if id(w) in self.stats_of:
+            self.stats_of[id(w)].add(x)
+        return super().linear_precise(w, x)
+
+
+def _attach_stats(model: Transformer, backend: _RecordingBackend, hessian: bool) -> dict[str, ActivationStats]:
+    """One ActivationStats per distinct matmul input, under the GGUF names of the weights reading it."""
+    out: dict[str, ActivationStats] = {}
+
+    def track(weight: torch.Tensor, names: list[str]) -> None:
+        stats = ActivationStats.empty(weight.shape[1], hessian)
+        backend.stats_of[id(weight)] = stats
+        out.update(dict.fromkeys(names, stats))
+
+    for i, layer in enumerate(model.layers):
+        b = f"blk.{i}."
+        track(layer.qkv, [b + "attn_q.weight", b + "attn_k.weight", b + "attn_v.weight"])
+        track(layer.o, [b + "attn_output.weight"])
+        track(layer.gate_up, [b + "ffn_gate.weight", b + "ffn_up.weight"])
+        track(layer.down, [b + "ffn_down.weight"])
+    # with tied embeddings the logits read token_embd (llama.cpp's imatrix then records it under that name)
+    track(model.lm_head, ["token_embd.weight" if model.config.tie_word_embeddings else "output.weight"])
+    return out
+
+
+def calibration_windows(
+    source: GGUFModel | HFModel, text: str, ctx: int = DEFAULT_CTX, max_windows: int | None = None
+) -> list[list[int]]:
+    """The text's tokens in consecutive windows of ctx tokens (BOS first where the model adds one)."""
+    tokenizer = source.load_tokenizer()
+    tokens = tokenizer.encode(text, add_bos=False)
+    windows = text_windows(tokens, ctx, max_windows, bos_id=tokenizer.bos_id if tokenizer.add_bos else None)
+    if not windows:
+        raise ValueError(f"the calibration text has {len(tokens)} tokens, fewer than one window of {ctx}")
+    return windows
+
+
+def collect_stats(
+    model_source: GGUFModel | HFModel,
+    texts_or_windows: str | Sequence[Sequence[int]],
+    hessian: bool,
+    progress: bool = True,
+    ctx: int = DEFAULT_CTX,
+) -> dict[str, ActivationStats]:
+    """Input statistics of every 2-D weight the model multiplies by, keyed by GGUF tensor name.
+
+    texts_or_windows: calibration text (cut into windows of ctx tokens), or token-id windows.
+    hessian: also accumulate sum x x^T per input (GPTQ, AWQ); costs cols^2 float64 per distinct input.
+    """
+    windows = (
+        calibration_windows(model_source, texts_or_windows, ctx)
+        if isinstance(texts_or_windows, str)
+        else [list(w) for w in texts_or_windows]
+    )
+    if not windows:
+        raise ValueError("no calibration windows")
+    backend = _RecordingBackend()
+    model = Transformer(model_source.config, model_source.load_weights(), backend)
+    stats = _attach_stats(model, backend, hessian)
+    for window in tqdm(windows, desc="calibration", unit="window", disable=not progress):
+        window_logits(model, window)
+    return stats

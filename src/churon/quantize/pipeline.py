@@ -1,0 +1,230 @@
+"""quantize_model: read a model (HF directory or GGUF), choose each tensor's type, quantize it with a
+method, and write a GGUF that churon and llama.cpp both load.
+
+    source -> [calibration stats] -> types (mixed.py) -> per transformer block:
+              method.transform(block tensors) -> method.quantize(each tensor) -> GGUF writer
+
+Tensors travel in llama.cpp's layout (llama attn_q / attn_k rows interleaved), as float32, one
+transformer block at a time: a GGUF source is dequantized block by block; an HF source's float
+weights are read once (they are what the model is made of anyway).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Callable, Iterable, Iterator, Protocol
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+from tqdm import tqdm
+
+from churon.errors import ModelFileError
+from churon.formats.gguf import GGUFModel
+from churon.formats.gguf_writer import (
+    FILE_TYPES, GGUFModelWriter, TensorSpec, gguf_tensor_name, llama3_rope_freqs, permuted_heads, to_llama_cpp_layout,
+)
+from churon.formats.hf import HFModel
+from churon.formats.quants import dequantize, quant_type, quantize
+from churon.loader import check_weights, open_model
+from churon.quantize.calibration import DEFAULT_CTX, ActivationStats, collect_stats
+from churon.quantize.mixed import FLOAT_TYPES, apply_keep, check_budget, default_type, parse_keep, spend_budget
+
+
+class QuantMethod(Protocol):
+    name: str
+    needs_calibration: bool  # the pipeline collects stats via calibration.collect_stats when True
+    needs_hessian: bool
+
+    def transform(
+        self, layer: dict[str, torch.Tensor], stats: dict[str, ActivationStats], qtypes: dict[str, str] | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Float32 tensors of one transformer block by GGUF name (incl. its norms), in llama.cpp's layout, and
+        the type each will be written in; returns them possibly rewritten (AWQ folds per-channel scales into
+        the preceding norm / weight). Identity for the others."""
+
+    def quantize(self, name: str, w: torch.Tensor, qtype: str, stats: ActivationStats | None) -> np.ndarray:
+        """w float32 [rows, cols] -> raw GGUF blocks (formats.quants.quantize, with importance where it helps)."""
+
+
+def _methods() -> dict[str, Callable[[], QuantMethod]]:
+    from churon.quantize.awq import AWQMethod
+    from churon.quantize.gptq import GPTQMethod
+    from churon.quantize.imatrix import ImatrixMethod
+    from churon.quantize.rtn import RTNMethod
+
+    return {"rtn": RTNMethod, "imatrix": ImatrixMethod, "awq": AWQMethod, "gptq": GPTQMethod}
+
+
+METHODS: dict[str, Callable[[], QuantMethod]] = _methods()  # name -> factory (AWQ keeps per-run state)
+
+
+def default_calibration_text() -> str:
+    """The calibration text shipped with churon (varied prose, code and numbers)."""
+    return (resources.files("churon") / "data" / "calibration.txt").read_text(encoding="utf-8")
+
+
+@dataclass
+class QuantizeReport:
+    path: Path
+    qtype: str
+    method: str
+    tensors: list[TensorSpec]
+    seconds: float
+    file_bytes: int
+    kept: list[str] = field(default_factory=list)  # tensors whose type a --keep pattern set
+
+    @property
+    def n_params(self) -> int:
+        return sum(int(np.prod(t.shape)) for t in self.tensors)
+
+    @property
+    def n_bytes(self) -> int:
+        return sum(t.n_bytes for t in self.tensors)
+
+    @property
+    def bits_per_weight(self) -> float:
+        """Tensor bytes * 8 / parameters, over every tensor (norms included), as llama.cpp reports it."""
+        return self.n_bytes * 8 / max(self.n_params, 1)
+
+    def by_type(self) -> dict[str, tuple[int, int, int]]:
+        """type name -> (tensors, parameters, bytes)."""
+        out: dict[str, tuple[int, int, int]] = {}
+        for t in self.tensors:
+            count, params, size = out.get(t.qtype.name, (0, 0, 0))
+            out[t.qtype.name] = (count + 1, params + int(np.prod(t.shape)), size + t.n_bytes)
+        return out
+
+
+def quantize_model(
+    src: str | os.PathLike,
+    out: str | os.PathLike,
+    qtype: str | GGMLQuantizationType,
+    method: str = "rtn",
+    calib_text: str | None = None,
+    keep: Iterable[str] | dict[str, str] | None = None,
+    target_bpw: float | None = None,
+    progress: bool = True,
+    pure: bool = False,
+) -> QuantizeReport:
+    """Quantize model `src` (registry name, HF directory or GGUF file) to the GGUF file `out`.
+
+    qtype: the type of the 2-D weights (see mixed.py for the exceptions llama.cpp makes; pure=True makes none).
+    method: "rtn", "imatrix", "awq" or "gptq". calib_text: calibration text for the methods that need it and
+    for target_bpw (default: churon's own). keep: "PATTERN=TYPE" items, glob patterns over GGUF tensor names.
+    target_bpw: spend bits up to this many per weight on the tensors most sensitive on the calibration text.
+    """
+    start = time.perf_counter()
+    qtype = quant_type(qtype)
+    if method not in METHODS:
+        raise ValueError(f"unknown quantization method {method!r}; choose one of: {', '.join(METHODS)}")
+    keep_rules = parse_keep(keep)
+    if target_bpw is not None and not target_bpw > 0:
+        raise ValueError(f"--target-bpw must be positive, got {target_bpw}")
+    quantizer = METHODS[method]()
+    out = Path(out)
+    if out.is_dir() or not out.parent.is_dir():
+        raise ModelFileError(f"{out}: cannot write the output file there (a directory, or its directory does not exist)")
+    source = open_model(src)
+    if isinstance(source, GGUFModel) and out.resolve() == Path(source.path).resolve():
+        raise ValueError(f"{out}: the output would overwrite the source model")
+    check_weights(source)
+    source.check_types()
+    tensors = _SourceTensors(source)
+    c = source.config
+
+    types = {n: default_type(n, s, qtype, c.num_layers, c.tie_word_embeddings, pure) for n, s in tensors.shapes.items()}
+    kept = apply_keep(types, tensors.shapes, keep_rules)
+    if target_bpw is not None:
+        check_budget(types, tensors.shapes, target_bpw)
+    stats: dict[str, ActivationStats] = {}
+    if quantizer.needs_calibration or target_bpw is not None:
+        text = calib_text if calib_text is not None else default_calibration_text()
+        ctx = min(DEFAULT_CTX, c.context_length)  # windows as llama.cpp's imatrix cuts them, within the context
+        stats = collect_stats(source, text, hessian=quantizer.needs_hessian, progress=progress, ctx=ctx)
+    if target_bpw is not None:
+        with _single_threaded_torch():
+            candidates = [n for n, t in types.items() if len(tensors.shapes[n]) >= 2 and n not in kept]
+            types = spend_budget(
+                types, tensors.shapes, candidates, target_bpw, tensors.read,
+                lambda n: stats[n].mean_sq.float() if n in stats else None,
+                lambda names: tqdm(names, desc="sensitivity", unit="tensor", disable=not progress))
+
+    specs = [TensorSpec(n, tensors.shapes[n], types[n]) for n in tensors.order]
+    file_type = FILE_TYPES[qtype]
+    with _single_threaded_torch(), GGUFModelWriter(out, source, specs, file_type) as writer:
+        bar = tqdm(total=len(specs), desc="quantize", unit="tensor", disable=not progress)
+        for group in tensors.groups():
+            layer = {n: tensors.read(n) for n in group}
+            if group[0].startswith("blk."):
+                layer = quantizer.transform(layer, stats, {n: types[n].name for n in group})
+            for name in group:
+                w, t = layer[name], types[name]
+                if t in FLOAT_TYPES or w.dim() < 2:  # nothing to round: no method involved
+                    raw = quantize(w.reshape(-1, w.shape[-1]), t)
+                else:
+                    raw = quantizer.quantize(name, w, t.name, stats.get(name))
+                writer.write(name, raw)
+                bar.update(1)
+            del layer  # before the next block is read: at most one block in memory
+        bar.close()
+    return QuantizeReport(out, qtype.name, method, specs, time.perf_counter() - start, out.stat().st_size,
+                          sorted(kept))
+
+
+@contextmanager
+def _single_threaded_torch() -> Iterator[None]:
+    """Quantizing is many small elementwise passes over chunks of a tensor: with several torch threads
+    the synchronisation costs more than the work (17x slower with 2 threads on a busy 2-core machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+class _SourceTensors:
+    """The source's tensors by GGUF name, read one at a time as float32 in llama.cpp's layout."""
+
+    def __init__(self, source: GGUFModel | HFModel):
+        self.source = source
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        self._hf: dict[str, torch.Tensor] = {}
+        if isinstance(source, GGUFModel):
+            for t in source.file.tensors.values():
+                self.shapes[t.name] = tuple(t.shape)
+        else:
+            factors = llama3_rope_freqs(source.config)
+            if factors is not None:
+                self._hf["rope_freqs.weight"] = factors
+            for canonical, w in source.load_weights().items():
+                name = gguf_tensor_name(source, canonical)
+                heads = permuted_heads(source, name)
+                self._hf[name] = w if heads is None else to_llama_cpp_layout(w, heads)
+            self.shapes = {n: tuple(w.shape) for n, w in self._hf.items()}
+        self.order = self._ordered()
+
+    def _ordered(self) -> list[str]:
+        """Tensor names, each transformer block's together (in the order blocks first appear)."""
+        return [n for group in self.groups() for n in group]
+
+    def groups(self) -> list[list[str]]:
+        by_key: dict[str, list[str]] = {}
+        for name in self.shapes:
+            parts = name.split(".")
+            key = ".".join(parts[:2]) if parts[0] == "blk" else ""
+            by_key.setdefault(key, []).append(name)
+        return list(by_key.values())
+
+    def read(self, name: str) -> torch.Tensor:
+        """A fresh float32 copy: methods may rewrite what they are given."""
+        if isinstance(self.source, HFModel):
+            return self._hf[name].to(torch.float32, copy=True)
+        t = self.source.file.tensors[name]
+        return dequantize(t.data, t.qtype, t.shape, name=name)
