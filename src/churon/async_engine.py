@@ -33,12 +33,14 @@ class AsyncLLMEngine:
         """
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
-        with self._work:
-            if self._closed:
-                raise RuntimeError("the engine is shut down")
-            request_id = self.engine.add_request(prompt_ids, params)
-            self._queues[request_id] = (loop, queue)
-            self._work.notify()
+        # A step holds the lock for its whole length: wait for it on a worker thread, so the event
+        # loop keeps streaming the other requests' tokens meanwhile.
+        adding = loop.run_in_executor(None, self._add, prompt_ids, params, loop, queue)
+        try:
+            request_id = await asyncio.shield(adding)
+        except asyncio.CancelledError:  # the caller left while the request was being queued: take it out again
+            adding.add_done_callback(lambda f: f.cancelled() or f.exception() is not None or self.abort(f.result()))
+            raise
         finished = False
         try:
             while True:
@@ -52,6 +54,16 @@ class AsyncLLMEngine:
         finally:
             if not finished:  # cancelled, or the consumer stopped early
                 self.abort(request_id)
+
+    def _add(self, prompt_ids: Sequence[int], params: SamplingParams | None, loop: asyncio.AbstractEventLoop,
+             queue: asyncio.Queue) -> int:
+        with self._work:
+            if self._closed:
+                raise RuntimeError("the engine is shut down")
+            request_id = self.engine.add_request(prompt_ids, params)
+            self._queues[request_id] = (loop, queue)
+            self._work.notify()
+            return request_id
 
     def abort(self, request_id: int) -> bool:
         with self._work:

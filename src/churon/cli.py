@@ -1,4 +1,4 @@
-"""The `churon` command: pull, list, run, chat, inspect, quantize, eval."""
+"""The `churon` command: pull, list, run, chat, inspect, serve, bench, quantize, eval."""
 
 from __future__ import annotations
 
@@ -266,6 +266,73 @@ def _print_native_layouts(m) -> None:
         print(f"  {getattr(kind, 'name', kind):<8} {backend.matrix(w).layout}")
 
 
+def cmd_serve(args) -> int:
+    import uvicorn
+
+    from churon.config import EngineConfig
+    from churon.llm import LLM
+    from churon.server import create_app
+
+    model = args.model or DEFAULT_MODEL
+    engine_options = {k: getattr(args, k) for k in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "kv_cache_memory")
+                      if getattr(args, k) is not None}
+    EngineConfig(**engine_options)  # bad settings fail now, not after the port is bound
+    failures: list[BaseException] = []
+
+    def load():
+        return LLM(model, dtype=args.dtype, kernels=args.kernels, threads=args.threads, **engine_options)
+
+    def on_load_error(e: BaseException) -> None:
+        failures.append(e)
+        server.should_exit = True
+
+    app = create_app(load, args.served_model_name or model, api_key=args.api_key, max_queue=args.max_queue,
+                     max_body_bytes=args.max_body_bytes, on_load_error=on_load_error)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
+    print(f"churon: serving {model} on http://{args.host}:{args.port}/v1 (loading; GET /health says when ready)", file=sys.stderr)
+    server.run()
+    if failures:
+        raise ChuronError(f"loading {model} failed: {failures[0]}")
+    return 0
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+
+
+def cmd_bench_serve(args) -> int:
+    import json
+
+    from churon import bench
+
+    num_requests = args.num_requests if len(args.num_requests) > 1 else args.num_requests * len(args.concurrency)
+    if args.plot:
+        bench.pyplot()  # no matplotlib: say so before the run, not after it
+    try:
+        extra_body = json.loads(args.extra_body) if args.extra_body else None
+    except json.JSONDecodeError as e:
+        raise ChuronError(f"--extra-body is not valid JSON: {e}") from None
+    results = bench.bench_serve(args.url, args.concurrency, num_requests, args.prompt_len, args.output_len,
+                                model=args.model, extra_body=extra_body, api_key=args.api_key, seed=args.seed)
+    print(f"{args.url}: {args.prompt_len}-word prompts, {args.output_len} output tokens")
+    print(bench.format_table(results))
+    for r in results:
+        if r.failed:
+            print(f"concurrency {r.concurrency}: {r.failed} requests failed, first: {r.first_error}", file=sys.stderr)
+        if r.short_outputs:
+            print(f"concurrency {r.concurrency}: {r.short_outputs} requests got fewer than {args.output_len} tokens"
+                  " (the server ended them early: see --extra-body)", file=sys.stderr)
+    if args.json:
+        settings = {"url": args.url, "prompt_len": args.prompt_len, "output_len": args.output_len, "extra_body": extra_body}
+        Path(args.json).write_text(json.dumps(bench.to_json(results, **settings), indent=2) + "\n")
+    if args.plot:
+        bench.plot(results, args.plot)
+    return 0 if all(r.failed == 0 for r in results) else 1
+
+
 def cmd_quantize(args) -> int:
     from churon.quantize import quantize_model
 
@@ -405,6 +472,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-dtype", default="f16", choices=list(KV_DTYPE_ARGS), help="KV cache element type (default f16, the native path's)")
     p.set_defaults(func=cmd_inspect)
 
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions, ...)")
+    p.add_argument("model", nargs="?", default=None, help=f"registry name, .gguf file or HF directory (default {DEFAULT_MODEL})")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None, help="the name clients send as `model` (default: MODEL as given)")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every API request")
+    p.add_argument("--max-queue", type=int, default=None, help="most requests waiting for the batch; beyond it 503")
+    p.add_argument("--max-body-bytes", type=int, default=4 << 20, help="largest request body (default 4 MiB); beyond it 413")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="sequences in one batch")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens in one step (prompt chunks + decodes)")
+    p.add_argument("--max-model-len", type=int, default=None, help="cap on a sequence's length (default: the model's context)")
+    p.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV cache (default: a share of free memory)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: physical cores)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="activations (bfloat16: reference kernels)")
+    p.add_argument("--kernels", default="auto", choices=["auto", "native", "reference"],
+                   help="native CPU kernels, or the plain PyTorch reference (default: native when built)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.set_defaults(func=cmd_serve)
+
     p = sub.add_parser("quantize", help="write a model (HF directory or GGUF) as a GGUF of another type")
     p.add_argument("src", help="registry name, .gguf file or HF directory (bf16/fp16/fp32 safetensors)")
     p.add_argument("out", help="output .gguf file")
@@ -432,6 +518,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("reference", help="the reference model (e.g. the float original)")
     p.set_defaults(func=cmd_eval_compare)
     _add_eval_args(p)
+
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    p = bench.add_parser("serve", help="load-test an OpenAI-compatible server: throughput and latency per concurrency")
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (without /v1)")
+    p.add_argument("--model", default=None, help="model name to send (default: the first one /v1/models lists)")
+    p.add_argument("--concurrency", type=_int_list, default=[1, 4, 16], help="comma-separated levels (default 1,4,16)")
+    p.add_argument("--num-requests", type=_int_list, default=[32], help="requests per level: one number or one per level")
+    p.add_argument("--prompt-len", type=int, default=128, help="prompt length in random words, about a token each")
+    p.add_argument("--output-len", type=int, default=128, help="tokens to generate per request")
+    p.add_argument("--extra-body", default=None, help='JSON merged into every request, e.g. \'{"min_tokens": 128}\'')
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic prompts")
+    p.add_argument("--json", default=None, metavar="FILE", help="write the results as JSON")
+    p.add_argument("--plot", default=None, metavar="FILE.png", help="plot throughput against TTFT p95 (needs matplotlib)")
+    p.set_defaults(func=cmd_bench_serve)
     return parser
 
 

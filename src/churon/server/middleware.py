@@ -1,0 +1,78 @@
+"""What every HTTP request passes before its route: the API key, the body-size limit, and
+the count of answers by status code. Plain ASGI, so an oversized body is refused while it
+is read, before it is ever held whole in memory."""
+
+from __future__ import annotations
+
+import hmac
+import json
+
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from churon.server.metrics import ServerMetrics
+
+# Probes and scrapers reach these without a key (vLLM does the same): they reveal no data.
+OPEN_PATHS = frozenset({"/health", "/metrics"})
+
+
+class RequestGuard:
+    def __init__(self, app: ASGIApp, metrics: ServerMetrics, api_key: str | None, max_body_bytes: int):
+        self.app = app
+        self.metrics = metrics
+        self.api_key = api_key
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        async def counting_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                self.metrics.requests_by_status[message["status"]] += 1
+            await send(message)
+
+        if self.api_key is not None and scope["path"] not in OPEN_PATHS and not self._authorized(scope):
+            await _error(counting_send, 401, "invalid or missing API key: send the header 'Authorization: Bearer <key>'",
+                         "authentication_error", code="invalid_api_key")
+            return
+        length = _header(scope, b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
+            await _error(counting_send, 413, self._too_large_message(), code="request_too_large")
+            return
+
+        received = 0
+
+        async def limited_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_body_bytes:  # a chunked body, or a Content-Length that lied
+                    # FastAPI passes an HTTPException raised while reading the body on to the app's handler
+                    raise HTTPException(413, self._too_large_message())
+            return message
+
+        await self.app(scope, limited_receive, counting_send)
+
+    def _authorized(self, scope: Scope) -> bool:
+        given = _header(scope, b"authorization") or ""
+        expected = f"Bearer {self.api_key}"
+        return hmac.compare_digest(given.encode(), expected.encode())
+
+    def _too_large_message(self) -> str:
+        return f"the request body is larger than the server's limit of {self.max_body_bytes} bytes (--max-body-bytes)"
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    for key, value in scope["headers"]:
+        if key.lower() == name:
+            return value.decode("latin-1")
+    return None
+
+
+async def _error(send: Send, status: int, message: str, type: str = "invalid_request_error", code: str | None = None) -> None:
+    body = json.dumps({"error": {"message": message, "type": type, "param": None, "code": code}}).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})

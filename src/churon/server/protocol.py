@@ -1,0 +1,106 @@
+"""The OpenAI API's request bodies as pydantic models, and its error shape.
+
+Field names are OpenAI's (plus vLLM's /tokenize and /detokenize and its `ignore_eos`
+vendor field). Models are strict: a string where a number belongs, or a field OpenAI does
+not know, is a 400 naming the field, as OpenAI answers it, not a silent coercion.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+
+MAX_N = 128  # choices per request: each is a whole engine request
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class TextPart(_Request):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+
+class JsonSchemaFormat(_Request):
+    name: str
+    schema_: dict[str, Any] = Field(alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class SamplingFields(_Request):
+    """The fields chat and completions requests share."""
+
+    model: str | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[str, float] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None
+    ignore_eos: bool = False  # vendor field (vLLM's): generate max_tokens tokens whatever the model says
+    user: str | None = None  # accepted, as OpenAI does; churon has no use for it
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16  # OpenAI's default for /v1/completions
+    logprobs: int | None = None
+    echo: bool = False
+
+
+class TokenizeRequest(_Request):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True  # the BOS, when the model wants one (prompt only)
+    add_generation_prompt: bool = True  # messages only
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[int]
+
+
+def error_response(
+    status: int, message: str, type: str = "invalid_request_error", param: str | None = None, code: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
+    """OpenAI's error body: {"error": {"message", "type", "param", "code"}}."""
+    body = {"error": {"message": message, "type": type, "param": param, "code": code}}
+    return JSONResponse(body, status_code=status, headers=headers)

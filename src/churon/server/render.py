@@ -1,0 +1,96 @@
+"""Engine outputs in OpenAI's response shapes: chat and text completions, their streaming
+chunks, usage, and the two logprobs layouts (chat's `content` list, completions' parallel
+`tokens` / `token_logprobs` / `top_logprobs` / `text_offset` lists)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import TYPE_CHECKING, Any, Sequence
+
+from churon.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from churon.engine import TokenLogprob
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _header(id: str, object: str, model: str) -> dict[str, Any]:
+    return {"id": id, "object": object, "created": int(time.time()), "model": model, "system_fingerprint": None}
+
+
+def token_text(tokenizer: Tokenizer, token_id: int) -> str:
+    """One token as text; a token holding part of a UTF-8 character shows U+FFFD (its bytes say the rest)."""
+    return tokenizer.token_bytes(token_id).decode("utf-8", errors="replace")
+
+
+# --- chat ----------------------------------------------------------------------------------
+
+
+def chat_logprobs(tokenizer: Tokenizer, entries: Sequence[TokenLogprob]) -> dict[str, Any]:
+    def item(token_id: int, logprob: float) -> dict[str, Any]:
+        return {"token": token_text(tokenizer, token_id), "logprob": logprob, "bytes": list(tokenizer.token_bytes(token_id))}
+
+    return {"content": [item(e.token_id, e.logprob) | {"top_logprobs": [item(t, lp) for t, lp in e.top]} for e in entries]}
+
+
+def chat_response(id: str, model: str, choices: list[dict[str, Any]], usage_: dict[str, int]) -> dict[str, Any]:
+    return _header(id, "chat.completion", model) | {"choices": choices, "usage": usage_}
+
+
+def chat_choice(index: int, text: str, finish_reason: str, logprobs: dict[str, Any] | None) -> dict[str, Any]:
+    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def chat_chunk(id: str, model: str, index: int, delta: dict[str, Any], finish_reason: str | None = None,
+               logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+    return _header(id, "chat.completion.chunk", model) | {"choices": [choice]}
+
+
+def usage_chunk(id: str, object: str, model: str, usage_: dict[str, int]) -> dict[str, Any]:
+    """The last chunk of a stream with include_usage: no choices, the whole request's usage."""
+    return _header(id, object, model) | {"choices": [], "usage": usage_}
+
+
+# --- completions ---------------------------------------------------------------------------
+
+
+def completion_logprobs(
+    tokenizer: Tokenizer, token_ids: Sequence[int], entries: Sequence[TokenLogprob | None], text_offset: int = 0
+) -> dict[str, Any]:
+    """token_ids[i]'s logprob is entries[i]; None (a prompt's first token) gives null logprob and top_logprobs."""
+    tokens, offsets, token_logprobs, tops = [], [], [], []
+    for token_id, entry in zip(token_ids, entries):
+        text = token_text(tokenizer, token_id)
+        tokens.append(text)
+        offsets.append(text_offset)
+        text_offset += len(text)
+        if entry is None:
+            token_logprobs.append(None)
+            tops.append(None)
+        else:
+            token_logprobs.append(entry.logprob)
+            # the chosen token is always listed, as OpenAI and vLLM do
+            top = {token_text(tokenizer, t): lp for t, lp in entry.top}
+            tops.append(top | {text: entry.logprob})
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+
+def completion_response(id: str, model: str, choices: list[dict[str, Any]], usage_: dict[str, int]) -> dict[str, Any]:
+    return _header(id, "text_completion", model) | {"choices": choices, "usage": usage_}
+
+
+def completion_choice(index: int, text: str, finish_reason: str | None, logprobs: dict[str, Any] | None) -> dict[str, Any]:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def completion_chunk(id: str, model: str, choice: dict[str, Any]) -> dict[str, Any]:
+    return _header(id, "text_completion", model) | {"choices": [choice]}
