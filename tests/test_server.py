@@ -431,6 +431,8 @@ def test_api_key_and_queue_limit(gguf):
     proc, url = start_server(gguf, "--api-key", "sekret", "--max-queue", "1", "--max-num-seqs", "1")
     try:
         assert httpx.get(f"{url}/health").status_code == 200  # probes need no key
+        assert httpx.get(f"{url}/metrics").status_code == 401
+        assert httpx.get(f"{url}/metrics", headers={"Authorization": "Bearer sekret"}).status_code == 200
         body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
         r = httpx.post(f"{url}/v1/completions", json=body)
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"

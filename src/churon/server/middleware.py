@@ -12,8 +12,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from churon.server.metrics import ServerMetrics
 
-# Probes and scrapers reach these without a key (vLLM does the same): they reveal no data.
-OPEN_PATHS = frozenset({"/health", "/metrics"})
+# Liveness probes reach /health without a key (it says only whether the model is loaded);
+# every other path, /metrics included (it tells who uses the server how much), needs the key.
+OPEN_PATHS = frozenset({"/health"})
 
 
 class RequestGuard:
