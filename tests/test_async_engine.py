@@ -34,7 +34,7 @@ def test_concurrent_requests_match_the_sync_engine(engines):
     prompts = [[5 + i, 17, 42 + i, 9] * (i + 1) for i in range(8)]
 
     async def one(prompt):
-        text, ids = "", []
+        text = ""
         async for delta in async_engine.generate(prompt, PARAMS):
             text += delta.text
             last = delta.output

@@ -35,6 +35,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from churon.formats.quants import dequantize, quant_type, quantize
 from churon.quantize.calibration import ActivationStats
+from churon.quantize.rtn import RTNMethod
 from churon.quantize.mixed import FLOAT_TYPES
 
 # Fraction of H's mean diagonal added to its diagonal (GPTQ's percdamp, 0.01 there for ~260k calibration
@@ -156,15 +157,10 @@ def gptq_quantize(
     return write_codes(raw, qtype, codes[:, torch.argsort(order)])
 
 
-class GPTQMethod:
+class GPTQMethod(RTNMethod):
     name = "gptq"
     needs_calibration = True
     needs_hessian = True
-
-    def transform(
-        self, layer: dict[str, torch.Tensor], stats: dict[str, ActivationStats], qtypes: dict[str, str] | None = None
-    ) -> dict[str, torch.Tensor]:
-        return layer
 
     def quantize(self, name: str, w: torch.Tensor, qtype: str, stats: ActivationStats | None) -> np.ndarray:
         if stats is None or stats.hessian is None:

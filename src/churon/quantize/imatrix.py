@@ -15,17 +15,13 @@ import torch
 
 from churon.formats.quants import quantize
 from churon.quantize.calibration import ActivationStats
+from churon.quantize.rtn import RTNMethod
 
 
-class ImatrixMethod:
+class ImatrixMethod(RTNMethod):
     name = "imatrix"
     needs_calibration = True
     needs_hessian = False
-
-    def transform(
-        self, layer: dict[str, torch.Tensor], stats: dict[str, ActivationStats], qtypes: dict[str, str] | None = None
-    ) -> dict[str, torch.Tensor]:
-        return layer
 
     def quantize(self, name: str, w: torch.Tensor, qtype: str, stats: ActivationStats | None) -> np.ndarray:
         return quantize(w, qtype, importance=None if stats is None else stats.mean_sq.float())

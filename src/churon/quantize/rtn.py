@@ -11,6 +11,8 @@ from churon.quantize.calibration import ActivationStats
 
 
 class RTNMethod:
+    """Also the base of the methods that change no tensor before quantizing (imatrix, GPTQ)."""
+
     name = "rtn"
     needs_calibration = False
     needs_hessian = False
