@@ -65,6 +65,26 @@ def test_a_consumer_that_stops_listening_aborts_its_request(engines):
     assert stats["running"] == 0 and stats["waiting"] == 0 and stats["kv_cache_usage"] == 0
 
 
+def test_an_abort_during_a_step_is_applied_when_the_step_ends(engines):
+    async_engine, _ = engines
+
+    async def main():
+        stream = async_engine.generate([5] * 20, SamplingParams(max_tokens=200, ignore_eos=True))
+        first = await anext(stream)
+        with async_engine._lock:  # as if a step were running: abort must not wait for it
+            async_engine.abort(first.request_id)
+            assert async_engine.engine.has_unfinished()  # not applied yet
+        for _ in range(100):  # the engine thread applies it before its next step
+            await asyncio.sleep(0.01)
+            if async_engine.stats()["running"] == 0:
+                break
+        await stream.aclose()
+
+    asyncio.run(main())
+    stats = async_engine.stats()
+    assert stats["running"] == 0 and stats["waiting"] == 0 and stats["kv_cache_usage"] == 0
+
+
 def test_bad_requests_raise_in_the_caller_and_the_engine_keeps_serving(engines):
     async_engine, _ = engines
 

@@ -3,13 +3,14 @@
 One background thread drives engine.step() while there is work, so the event loop never
 waits on the model; each request's deltas reach its coroutine through an asyncio.Queue.
 A caller that stops listening (a client that disconnected) aborts its request, which frees
-its KV blocks at once.
+its KV blocks at once, or right after the step that is running.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
+from collections import deque
 from typing import AsyncIterator, Sequence
 
 from churon.engine import Delta, LLMEngine
@@ -22,6 +23,7 @@ class AsyncLLMEngine:
         self._lock = threading.Lock()  # guards the engine: add_request/abort from the loop, step from the thread
         self._work = threading.Condition(self._lock)
         self._queues: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._pending_aborts: deque[int] = deque()  # aborts asked for while a step held the lock
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="churon-engine", daemon=True)
         self._thread.start()
@@ -65,10 +67,17 @@ class AsyncLLMEngine:
             self._work.notify()
             return request_id
 
-    def abort(self, request_id: int) -> bool:
-        with self._work:
-            self._queues.pop(request_id, None)
-            return self.engine.abort(request_id)
+    def abort(self, request_id: int) -> None:
+        """Stop a request and free its KV blocks: at once when no step is running, else as soon as
+        the running step ends (the caller, often the event loop, never waits for a step)."""
+        self._queues.pop(request_id, None)
+        if self._lock.acquire(blocking=False):
+            try:
+                self.engine.abort(request_id)
+            finally:
+                self._lock.release()
+        else:
+            self._pending_aborts.append(request_id)  # the engine thread takes it before its next step
 
     def stats(self) -> dict[str, float]:
         """A consistent snapshot of the engine's counters (for /metrics)."""
@@ -94,6 +103,8 @@ class AsyncLLMEngine:
     def _run(self) -> None:
         while True:
             with self._work:
+                while self._pending_aborts:
+                    self.engine.abort(self._pending_aborts.popleft())
                 while not self._closed and not self.engine.has_unfinished():
                     self._work.wait()
                 if self._closed:
