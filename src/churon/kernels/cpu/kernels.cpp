@@ -642,6 +642,14 @@ constexpr int kMaxTile = 1;
 template <int QT>
 void gemm_q(const QWeights& w, const ActQ& a, int64_t m, float* y, const float* bias, int64_t g0, int64_t g1) {
   for (int64_t g = g0; g < g1; ++g) {
+#if defined(K_AVX512) || defined(K_AVX2)
+    // many activation rows: the group's tiles take long enough to fetch the next group's
+    // weights meanwhile, which would otherwise stall the first tile on memory
+    if (m > kMaxTile && g + 1 < w.ngroups) {
+      const char* next = reinterpret_cast<const char*>(w.data + (g + 1) * w.group_bytes);
+      for (int64_t off = 0; off < w.group_bytes; off += 64) _mm_prefetch(next + off, _MM_HINT_T1);
+    }
+#endif
     int64_t m0 = 0;
     for (; m0 + kMaxTile <= m; m0 += kMaxTile) run_tile<QT, kMaxTile>(w, a, g, m0, y, bias);
     switch (m - m0) {
