@@ -37,7 +37,7 @@ def test_native_logits_are_close_to_the_reference_path(hf_dir, qtype, tmp_path):
     assert native.backend.name == "native" and reference.backend.name == "reference"
     tokens = torch.tensor(PROMPT)
 
-    def native_cache():  # float32, as the reference's: the native default (float16) is scored by test_kl_target.py
+    def native_cache():  # float32, as the reference's, whatever the native default
         return SequenceKVCache(native.config, 64, dtype=torch.float32)
 
     want = reference(tokens, 0, reference.new_cache(64), all_logits=True)

@@ -139,8 +139,8 @@ def test_cli_run_streams_an_answer(smollm2_gguf):
         capture_output=True, text=True, timeout=300,
     )
     assert result.returncode == 0, result.stderr
-    # (not "the capital of France": there the first answer token is a near tie, 0.013 apart in
-    # log-probability, that float16 and float32 KV caches settle differently)
+    # (not "the capital of France": there the native path's first answer token is a near tie,
+    # 0.013 apart in log-probability)
     assert "Everest" in result.stdout
     assert "decode" in result.stderr and "tokens/s" in result.stderr
 
@@ -153,8 +153,8 @@ def test_cli_inspect_reports_structure_and_memory(smollm2_gguf):
     for expected in ["llama", "layers             30", "hidden size        576", "KV heads           3", "head dim           64",
                      "vocabulary         49152", "context length     8192", "Q4_1", "blk.0.attn_q.weight"]:
         assert expected in out, expected
-    # 2 x 30 layers x 3 KV heads x 64 x 2 bytes (f16, the default) = 23,040 bytes per token
-    assert "23,040 bytes" in out
+    # 2 x 30 layers x 3 KV heads x 64 x 4 bytes (f32, the default) = 46,080 bytes per token
+    assert "46,080 bytes" in out
 
 
 def test_pull_into_an_empty_cache_then_list(tmp_path):

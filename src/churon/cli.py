@@ -469,7 +469,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("inspect", help="what a model file holds, and the memory it needs")
     p.add_argument("model", nargs="?", default=DEFAULT_MODEL)
     p.add_argument("--tensors", action="store_true", help="list every tensor")
-    p.add_argument("--kv-dtype", default="f16", choices=list(KV_DTYPE_ARGS), help="KV cache element type (default f16, the native path's)")
+    p.add_argument("--kv-dtype", default="f32", choices=list(KV_DTYPE_ARGS), help="KV cache element type (default f32)")
     p.set_defaults(func=cmd_inspect)
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions, ...)")

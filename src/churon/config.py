@@ -100,7 +100,7 @@ class EngineConfig:
             )
 
     def kv_torch_dtype(self, default):
-        """The KV cache's torch dtype; "auto" is the backend's default (float16 native, the activation dtype otherwise)."""
+        """The KV cache's torch dtype; "auto" is the backend's default (the activation dtype)."""
         import torch
 
         return default if self.kv_dtype == "auto" else getattr(torch, self.kv_dtype)
