@@ -72,6 +72,11 @@ def test_collect_stats_from_text_cuts_windows(llama_dir):
     assert stats["blk.0.attn_q.weight"].hessian is None
     with pytest.raises(ValueError, match="fewer than one window"):
         collect_stats(HFModel(llama_dir), "too short", hessian=False, progress=False, ctx=32)
+    # the default window (512) is cut to the tiny model's context
+    ctx = HFModel(llama_dir).config.context_length
+    assert ctx < 512
+    stats = collect_stats(HFModel(llama_dir), text * 3, hessian=False, progress=False)
+    assert stats["blk.0.attn_q.weight"].count == (3 * len(tokens)) // ctx * ctx
 
 
 def _layer_error(stats: ActivationStats, weight: torch.Tensor, quantized: torch.Tensor) -> float:

@@ -108,7 +108,9 @@ def _attach_stats(model: Transformer, backend: _RecordingBackend, hessian: bool)
 def calibration_windows(
     source: GGUFModel | HFModel, text: str, ctx: int = DEFAULT_CTX, max_windows: int | None = None
 ) -> list[list[int]]:
-    """The text's tokens in consecutive windows of ctx tokens (BOS first where the model adds one)."""
+    """The text's tokens in consecutive windows of ctx tokens (BOS first where the model adds one);
+    ctx is capped at the model's context length."""
+    ctx = min(ctx, source.config.context_length)
     tokenizer = source.load_tokenizer()
     tokens = tokenizer.encode(text, add_bos=False)
     windows = text_windows(tokens, ctx, max_windows, bos_id=tokenizer.bos_id if tokenizer.add_bos else None)

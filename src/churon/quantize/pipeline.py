@@ -32,7 +32,7 @@ from churon.formats.gguf_writer import (
 from churon.formats.hf import HFModel
 from churon.formats.quants import dequantize, quant_type, quantize
 from churon.loader import check_weights, open_model
-from churon.quantize.calibration import DEFAULT_CTX, ActivationStats, collect_stats
+from churon.quantize.calibration import ActivationStats, collect_stats
 from churon.quantize.mixed import FLOAT_TYPES, apply_keep, check_budget, default_type, parse_keep, spend_budget
 
 
@@ -145,8 +145,7 @@ def quantize_model(
     stats: dict[str, ActivationStats] = {}
     if quantizer.needs_calibration or target_bpw is not None:
         text = calib_text if calib_text is not None else default_calibration_text()
-        ctx = min(DEFAULT_CTX, c.context_length)  # windows as llama.cpp's imatrix cuts them, within the context
-        stats = collect_stats(source, text, hessian=quantizer.needs_hessian, progress=progress, ctx=ctx)
+        stats = collect_stats(source, text, hessian=quantizer.needs_hessian, progress=progress)
     if target_bpw is not None:
         with _single_threaded_torch():
             candidates = [n for n, t in types.items() if len(tensors.shapes[n]) >= 2 and n not in kept]
