@@ -3,7 +3,7 @@
 Weights come in as a dict with the canonical names listed by `expected_weight_shapes`
 (Hugging Face's names without the "model." prefix), as GGUF bytes or float tensors; the
 backend (churon.kernels.backend) turns them into what its kernels read. The forward pass
-reads top to bottom in `forward_batch`.
+reads top to bottom in `Transformer.forward_batch` and, for each layer, `DecoderBlock.__call__`.
 """
 
 from __future__ import annotations
@@ -61,16 +61,11 @@ class Transformer:
         self.kv_dtype = self.backend.kv_dtype
         b = self.backend
         freq_factors = weights.get("rope_freqs.weight")
-        inv_freq = rope_inv_freq(config, dense(freq_factors) if freq_factors is not None else None)
-        self.cos, self.sin = rope_tables(inv_freq, config.context_length)
+        self.block = DecoderBlock(config, b, dense(freq_factors) if freq_factors is not None else None)
         self.embed_tokens = b.matrix(weights["embed_tokens.weight"])
         self.layers = [LayerWeights.build(config, i, weights, b) for i in range(config.num_layers)]
         self.norm = b.vector(weights["norm.weight"])
         self.lm_head = self.embed_tokens if config.tie_word_embeddings else b.matrix(weights["lm_head.weight"])
-        self.scale = config.head_dim**-0.5
-        c = config
-        self.split = [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim]
-        self.heads = (c.num_heads, c.num_kv_heads, c.head_dim)
 
     def weight_bytes(self) -> int:
         objects = {id(self.embed_tokens): self.embed_tokens, id(self.lm_head): self.lm_head, id(self.norm): self.norm}
@@ -99,25 +94,50 @@ class Transformer:
     @torch.inference_mode()
     def forward_batch(self, batch: ForwardBatch, cache: PagedKVCache) -> torch.Tensor:
         """Run a step of many sequences; float32 logits of the rows batch.logits_indices names."""
-        b, c, eps = self.backend, self.config, self.config.rms_norm_eps
-        n = batch.num_tokens
+        b, eps = self.backend, self.config.rms_norm_eps
         x = b.embedding(self.embed_tokens, batch.input_ids)  # the residual stream, [tokens, hidden]
         h = b.rms_norm(x, self.layers[0].input_norm, eps)
         for i, layer in enumerate(self.layers):
-            # attention
-            qkv = b.linear(layer.qkv, h, layer.qkv_bias)
-            if layer.q_norm is not None:  # Qwen3: RMSNorm over each head of q and of k, before RoPE
-                q_size, kv_size = self.split[0], self.split[1]
-                qkv[:, :q_size] = b.rms_norm(qkv[:, :q_size].reshape(-1, c.head_dim), layer.q_norm, eps).view(n, -1)
-                k_cols = slice(q_size, q_size + kv_size)
-                qkv[:, k_cols] = b.rms_norm(qkv[:, k_cols].reshape(-1, c.head_dim), layer.k_norm, eps).view(n, -1)
-            q = b.rope_and_cache(qkv, self.heads, batch, self.cos, self.sin, cache, i)
-            attn = b.attention(q, cache, i, batch, self.scale).reshape(n, -1)
-            h = b.add_rms_norm(x, b.linear(layer.o, attn), layer.post_norm, eps)
-            # SwiGLU MLP
-            down = b.linear(layer.down, b.swiglu(b.linear(layer.gate_up, h)))
-            if i + 1 < len(self.layers):
+            down = self.block(layer, x, h, batch, cache, i)
+            if i + 1 < len(self.layers):  # the MLP's residual add fused with the next layer's input norm
                 h = b.add_rms_norm(x, down, self.layers[i + 1].input_norm, eps)
         rows = batch.logits_indices
         h = b.add_rms_norm(x[rows], down[rows], self.norm, eps)
         return b.linear_precise(self.lm_head, h).float()
+
+
+class DecoderBlock:
+    """One decoder layer's arithmetic, with what all layers share (RoPE tables, head geometry); the
+    layer's weights come with each call, so a caller holding one layer at a time (quantization's
+    calibration) runs the same code as the whole model."""
+
+    def __init__(self, config: ModelConfig, backend: ReferenceBackend | NativeBackend,
+                 freq_factors: torch.Tensor | None = None):
+        """freq_factors: per-dimension RoPE frequency divisors (GGUF's rope_freqs.weight, Llama 3 scaling)."""
+        self.config = config
+        self.backend = backend
+        self.cos, self.sin = rope_tables(rope_inv_freq(config, freq_factors), config.context_length)
+        self.scale = config.head_dim**-0.5
+        c = config
+        self.split = [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim]
+        self.heads = (c.num_heads, c.num_kv_heads, c.head_dim)
+
+    def __call__(self, layer: LayerWeights, x: torch.Tensor, h: torch.Tensor, batch: ForwardBatch,
+                 cache: PagedKVCache, cache_layer: int) -> torch.Tensor:
+        """x: the residual stream [tokens, hidden]; h: x after the layer's input norm. Adds the attention's
+        output to x in place and returns the MLP's output (for the caller to add, fused with the next norm).
+        K and V go to the cache's layer cache_layer."""
+        b, c, eps = self.backend, self.config, self.config.rms_norm_eps
+        n = batch.num_tokens
+        # attention
+        qkv = b.linear(layer.qkv, h, layer.qkv_bias)
+        if layer.q_norm is not None:  # Qwen3: RMSNorm over each head of q and of k, before RoPE
+            q_size, kv_size = self.split[0], self.split[1]
+            qkv[:, :q_size] = b.rms_norm(qkv[:, :q_size].reshape(-1, c.head_dim), layer.q_norm, eps).view(n, -1)
+            k_cols = slice(q_size, q_size + kv_size)
+            qkv[:, k_cols] = b.rms_norm(qkv[:, k_cols].reshape(-1, c.head_dim), layer.k_norm, eps).view(n, -1)
+        q = b.rope_and_cache(qkv, self.heads, batch, self.cos, self.sin, cache, cache_layer)
+        attn = b.attention(q, cache, cache_layer, batch, self.scale).reshape(n, -1)
+        h = b.add_rms_norm(x, b.linear(layer.o, attn), layer.post_norm, eps)
+        # SwiGLU MLP
+        return b.linear(layer.down, b.swiglu(b.linear(layer.gate_up, h)))
