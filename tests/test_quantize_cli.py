@@ -138,10 +138,14 @@ def test_writer_checks_what_it_is_given(wide_models, tmp_path):
     specs = [TensorSpec("a.weight", (2, 32), gguf.GGMLQuantizationType.Q8_0),
              TensorSpec("b.weight", (4,), gguf.GGMLQuantizationType.F32)]
     raw_a = quantize(torch.ones(2, 32), "Q8_0")
-    with pytest.raises(ValueError, match="expected tensor 'a.weight' next, got 'b.weight'"):
+    with pytest.raises(ValueError, match="tensor 'c.weight' was not declared"):
         with GGUFModelWriter(tmp_path / "x.gguf", source, specs, gguf.LlamaFileType.MOSTLY_Q8_0) as w:
-            w.write("b.weight", np.zeros(4, np.float32))
+            w.write("c.weight", np.zeros(4, np.float32))
     assert not (tmp_path / "x.gguf").exists()  # no half-written file left behind
+    with pytest.raises(ValueError, match="tensor 'a.weight' was not declared, or was written already"):
+        with GGUFModelWriter(tmp_path / "x.gguf", source, specs, gguf.LlamaFileType.MOSTLY_Q8_0) as w:
+            w.write("a.weight", raw_a)
+            w.write("a.weight", raw_a)
     with pytest.raises(ValueError, match=r"'a.weight' \(Q8_0 \[2, 32\]\) needs 68 bytes, got 64"):
         with GGUFModelWriter(tmp_path / "x.gguf", source, specs, gguf.LlamaFileType.MOSTLY_Q8_0) as w:
             w.write("a.weight", np.zeros(64, np.uint8))
@@ -151,6 +155,10 @@ def test_writer_checks_what_it_is_given(wide_models, tmp_path):
     with GGUFModelWriter(tmp_path / "x.gguf", source, specs, gguf.LlamaFileType.MOSTLY_Q8_0) as w:
         w.write("a.weight", raw_a)
         w.write("b.weight", np.arange(4, dtype=np.float32))
+    with GGUFModelWriter(tmp_path / "y.gguf", source, specs, gguf.LlamaFileType.MOSTLY_Q8_0) as w:
+        w.write("b.weight", np.arange(4, dtype=np.float32))  # in any order: each tensor goes to its place
+        w.write("a.weight", raw_a)
+    assert (tmp_path / "x.gguf").read_bytes() == (tmp_path / "y.gguf").read_bytes()
     reader = gguf.GGUFReader(tmp_path / "x.gguf")
     assert [(t.name, t.tensor_type.name) for t in reader.tensors] == [("a.weight", "Q8_0"), ("b.weight", "F32")]
     np.testing.assert_array_equal(np.array(reader.tensors[1].data), np.arange(4, dtype=np.float32))

@@ -143,7 +143,7 @@ def canonical_name(gguf_name: str) -> str | None:
     return None
 
 
-def _unpermute_rope_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
+def from_llama_cpp_layout(w: torch.Tensor, n_head: int) -> torch.Tensor:
     """Undo llama.cpp's converter, which interleaves each head's rows for its GPT-J style RoPE."""
     rows = w.shape[0]
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
@@ -239,7 +239,7 @@ class GGUFModel:
             elif c.architecture == "llama" and name.startswith("layers.") and ".k_proj." in name:
                 heads = c.num_kv_heads
             if heads is not None:
-                order = _unpermute_rope_rows(torch.arange(t.shape[0]), heads).numpy()
+                order = from_llama_cpp_layout(torch.arange(t.shape[0]), heads).numpy()
                 t = GGUFTensor(t.name, t.shape, t.qtype, t.data.reshape(t.shape[0], -1)[order].reshape(-1))
             out[name] = t
         return out

@@ -104,7 +104,8 @@ def llama3_rope_freqs(config: ModelConfig) -> torch.Tensor | None:
 
 
 class GGUFModelWriter:
-    """Declare every tensor, then `write` their raw bytes in the declared order; `close` checks all came.
+    """Declare every tensor, then `write` their raw bytes, in any order (each goes to its place in the
+    file); `close` checks all came.
 
     with GGUFModelWriter(out, source, specs, FILE_TYPES[qtype]) as w:
         for spec in specs:
@@ -114,8 +115,6 @@ class GGUFModelWriter:
     def __init__(self, path: str | os.PathLike, source: GGUFModel | HFModel, tensors: list[TensorSpec],
                  file_type: LlamaFileType):
         self.path = Path(path)
-        self._pending = list(tensors)
-        self._next = 0
         arch = source.config.architecture
         if self.path.is_dir():
             raise ModelFileError(f"{self.path}: is a directory; give the output .gguf file name")
@@ -134,25 +133,35 @@ class GGUFModelWriter:
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
+        (self._file,) = w.fout
+        # tensor data starts aligned after the tensor infos; each tensor's size is padded to the
+        # alignment (the offsets write_ti_data_to_file recorded)
+        align = w.data_alignment
+        offset = w.ggml_pad(self._file.tell(), align)
+        self._pending: dict[str, tuple[TensorSpec, int]] = {}
+        for t in tensors:
+            self._pending[t.name] = (t, offset)
+            offset += w.ggml_pad(t.n_bytes, align)
+        self._end = offset
 
     def write(self, name: str, raw: np.ndarray) -> None:
-        if self._next >= len(self._pending):
-            raise ValueError(f"{self.path}: tensor {name!r} was not declared")
-        spec = self._pending[self._next]
-        if name != spec.name:
-            raise ValueError(f"{self.path}: expected tensor {spec.name!r} next, got {name!r}")
+        if name not in self._pending:
+            raise ValueError(f"{self.path}: tensor {name!r} was not declared, or was written already")
+        spec, offset = self._pending[name]
         raw = np.ascontiguousarray(raw).reshape(-1).view(np.uint8)
         if raw.nbytes != spec.n_bytes:
             raise ValueError(f"{self.path}: tensor {name!r} ({spec.qtype.name} {list(spec.shape)}) needs"
                              f" {spec.n_bytes} bytes, got {raw.nbytes}")
-        self._writer.write_tensor_data(raw)
-        self._next += 1
+        self._file.seek(offset)
+        raw.tofile(self._file)
+        del self._pending[name]
 
     def close(self) -> None:
+        if not self._pending:
+            self._file.truncate(self._end)  # the last tensor's padding (zeros)
         self._writer.close()
-        if self._next != len(self._pending):
-            missing = [t.name for t in self._pending[self._next:]]
-            raise ValueError(f"{self.path}: incomplete file, tensors not written: {missing[:5]}")
+        if self._pending:
+            raise ValueError(f"{self.path}: incomplete file, tensors not written: {list(self._pending)[:5]}")
 
     def __enter__(self) -> "GGUFModelWriter":
         return self

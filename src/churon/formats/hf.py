@@ -130,20 +130,25 @@ class HFModel:
         return canonical if canonical in self._index else "model." + canonical
 
     def load_weights(self) -> dict[str, torch.Tensor]:
-        weights = {}
-        by_shard: dict[Path, list[str]] = {}
-        for name, (shard, _) in self._index.items():
-            by_shard.setdefault(shard, []).append(name)
-        for shard, names in by_shard.items():
-            try:
-                with safe_open(shard, framework="pt") as f:
-                    for name in names:
-                        weights[_canonical_name(name)] = f.get_tensor(name).float()
-            except Exception as e:
-                raise ModelFileError(f"{shard}: cannot read tensor data: {e}") from e
+        weights = {_canonical_name(name): self._read(name) for name in self._index}
         if self.config.tie_word_embeddings:
             weights.pop("lm_head.weight", None)
         return weights
+
+    def load_tensor(self, canonical: str) -> torch.Tensor:
+        """One tensor as float32, read on its own (quantization holds one transformer block at a time)."""
+        name = self.file_name(canonical)
+        if name not in self._index:
+            raise ModelFileError(f"{self.path}: no tensor {canonical!r}")
+        return self._read(name)
+
+    def _read(self, name: str) -> torch.Tensor:
+        shard = self._index[name][0]
+        try:
+            with safe_open(shard, framework="pt") as f:
+                return f.get_tensor(name).float()
+        except Exception as e:  # safetensors raises SafetensorError for truncated data
+            raise ModelFileError(f"{shard}: cannot read tensor {name!r}: {e}") from e
 
     def load_tokenizer(self) -> Tokenizer:
         return Tokenizer.from_hf_dir(self.path)

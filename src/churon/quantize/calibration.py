@@ -1,7 +1,8 @@
 """Calibration: the statistics of every linear layer's inputs, gathered by running the model on text.
 
-The model runs in float32 on the reference backend, wrapped so that each matmul also reports its
-input rows x [tokens, cols]. Per weight (by GGUF tensor name) this keeps
+The model runs in float32 on the reference backend, one transformer block at a time over all the
+calibration windows (calibrate_layerwise), wrapped so that each matmul also reports its input
+rows x [tokens, cols]. Per weight (by GGUF tensor name) this keeps
 
     count     tokens seen
     sum_sq    sum of x^2 per input column: llama.cpp's importance matrix (tools/imatrix)
@@ -19,17 +20,21 @@ written over the first token when the model asks for one), each run as one prefi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Sequence
+from dataclasses import dataclass, replace
+from typing import Iterator, Sequence
 
 import torch
 from tqdm import tqdm
 
-from churon.evaluation import text_windows, window_logits
+from churon.evaluation import text_windows
 from churon.formats.gguf import GGUFModel
 from churon.formats.hf import HFModel
 from churon.kernels.backend import ReferenceBackend
-from churon.model.transformer import Transformer
+from churon.kv_cache import SequenceKVCache
+from churon.model.batch import ForwardBatch, SequenceChunk
+from churon.model.layers import LayerWeights
+from churon.model.transformer import DecoderBlock
+from churon.quantize.source import SourceTensors
 
 DEFAULT_CTX = 512
 
@@ -79,29 +84,16 @@ class _RecordingBackend(ReferenceBackend):
             self.stats_of[id(w)].add(x)
         return super().linear(w, x, bias)
 
-    def linear_precise(self, w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        if id(w) in self.stats_of:
-            self.stats_of[id(w)].add(x)
-        return super().linear_precise(w, x)
 
-
-def _attach_stats(model: Transformer, backend: _RecordingBackend, hessian: bool) -> dict[str, ActivationStats]:
-    """One ActivationStats per distinct matmul input, under the GGUF names of the weights reading it."""
+def _attach_stats(layer: LayerWeights, index: int, backend: _RecordingBackend, hessian: bool) -> dict[str, ActivationStats]:
+    """One ActivationStats per distinct matmul input of layer `index`, under the GGUF names of the weights reading it."""
     out: dict[str, ActivationStats] = {}
-
-    def track(weight: torch.Tensor, names: list[str]) -> None:
+    inputs = ((layer.qkv, ("attn_q", "attn_k", "attn_v")), (layer.o, ("attn_output",)),
+              (layer.gate_up, ("ffn_gate", "ffn_up")), (layer.down, ("ffn_down",)))
+    for weight, names in inputs:
         stats = ActivationStats.empty(weight.shape[1], hessian)
         backend.stats_of[id(weight)] = stats
-        out.update(dict.fromkeys(names, stats))
-
-    for i, layer in enumerate(model.layers):
-        b = f"blk.{i}."
-        track(layer.qkv, [b + "attn_q.weight", b + "attn_k.weight", b + "attn_v.weight"])
-        track(layer.o, [b + "attn_output.weight"])
-        track(layer.gate_up, [b + "ffn_gate.weight", b + "ffn_up.weight"])
-        track(layer.down, [b + "ffn_down.weight"])
-    # with tied embeddings the logits read token_embd (llama.cpp's imatrix then records it under that name)
-    track(model.lm_head, ["token_embd.weight" if model.config.tie_word_embeddings else "output.weight"])
+        out.update(dict.fromkeys([f"blk.{index}.{n}.weight" for n in names], stats))
     return out
 
 
@@ -119,6 +111,47 @@ def calibration_windows(
     return windows
 
 
+def calibrate_layerwise(
+    tensors: SourceTensors, windows: Sequence[Sequence[int]], hessian: bool
+) -> Iterator[dict[str, ActivationStats]]:
+    """Input statistics of each transformer block's weights (by GGUF name), one block at a time in layer
+    order, then those of the output matrix (token_embd.weight when the embeddings are tied).
+
+    Only one block's weights and statistics are alive at once: the windows' residual streams are carried
+    from block to block (float32, windows x tokens x hidden), each block read from the source when its
+    turn comes and dropped after. The arithmetic is Transformer.forward_batch's, block by block.
+    """
+    if not windows:
+        raise ValueError("no calibration windows")
+    c, eps = tensors.config, tensors.config.rms_norm_eps
+    backend = _RecordingBackend()
+    freq_factors = tensors.read_canonical("rope_freqs.weight")[1] if "rope_freqs.weight" in tensors.shapes else None
+    block = DecoderBlock(c, backend, freq_factors)
+    cache = SequenceKVCache(replace(c, num_layers=1), max(len(w) for w in windows))  # each block in turn uses it
+    batches = [ForwardBatch.build([SequenceChunk(list(w), 0, cache.block_table, need_logits=False)], cache.block_size)
+               for w in windows]
+    embeddings = tensors.read("token_embd.weight")
+    residuals = [embeddings[batch.input_ids] for batch in batches]
+    del embeddings
+
+    def run_block(i: int) -> dict[str, ActivationStats]:  # its locals go when it returns
+        layer = LayerWeights.build(c, i, dict(tensors.read_canonical(n) for n in tensors.block(i)), backend)
+        stats = _attach_stats(layer, i, backend, hessian)
+        for x, batch in zip(residuals, batches):
+            h = backend.rms_norm(x, layer.input_norm, eps)
+            x.add_(block(layer, x, h, batch, cache, 0))
+        backend.stats_of.clear()
+        return stats
+
+    for i in range(c.num_layers):
+        yield run_block(i)
+    norm = tensors.read_canonical("output_norm.weight")[1]
+    out = ActivationStats.empty(c.hidden_size, hessian)
+    for x in residuals:
+        out.add(backend.rms_norm(x, norm, eps))
+    yield {"token_embd.weight" if c.tie_word_embeddings else "output.weight": out}
+
+
 def collect_stats(
     model_source: GGUFModel | HFModel,
     texts_or_windows: str | Sequence[Sequence[int]],
@@ -129,18 +162,18 @@ def collect_stats(
     """Input statistics of every 2-D weight the model multiplies by, keyed by GGUF tensor name.
 
     texts_or_windows: calibration text (cut into windows of ctx tokens), or token-id windows.
-    hessian: also accumulate sum x x^T per input (GPTQ, AWQ); costs cols^2 float64 per distinct input.
+    hessian: also accumulate sum x x^T per input (GPTQ, AWQ); costs cols^2 float64 per distinct input,
+    kept here for every layer (quantize_model keeps one layer's at a time, via calibrate_layerwise).
     """
     windows = (
         calibration_windows(model_source, texts_or_windows, ctx)
         if isinstance(texts_or_windows, str)
         else [list(w) for w in texts_or_windows]
     )
-    if not windows:
-        raise ValueError("no calibration windows")
-    backend = _RecordingBackend()
-    model = Transformer(model_source.config, model_source.load_weights(), backend)
-    stats = _attach_stats(model, backend, hessian)
-    for window in tqdm(windows, desc="calibration", unit="window", disable=not progress):
-        window_logits(model, window)
+    stats: dict[str, ActivationStats] = {}
+    layers = tqdm(total=model_source.config.num_layers + 1, desc="calibration", unit="layer", disable=not progress)
+    for block_stats in calibrate_layerwise(SourceTensors(model_source), windows, hessian):
+        stats.update(block_stats)
+        layers.update(1)
+    layers.close()
     return stats

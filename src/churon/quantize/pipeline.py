@@ -1,16 +1,20 @@
 """quantize_model: read a model (HF directory or GGUF), choose each tensor's type, quantize it with a
 method, and write a GGUF that churon and llama.cpp both load.
 
-    source -> [calibration stats] -> types (mixed.py) -> per transformer block:
-              method.transform(block tensors) -> method.quantize(each tensor) -> GGUF writer
+    source -> types (mixed.py; a --target-bpw budget first runs a calibration without Hessians)
+           -> per transformer block, in layer order: calibrate the block (calibration.calibrate_layerwise)
+              -> method.transform(block tensors) -> method.quantize(each tensor) -> GGUF writer
+           -> the tensors outside the blocks (the output matrix, calibrated on the final norm's output)
 
 Tensors travel in llama.cpp's layout (llama attn_q / attn_k rows interleaved), as float32, one
-transformer block at a time: a GGUF source is dequantized block by block; an HF source's float
-weights are read once (they are what the model is made of anyway).
+transformer block at a time, whatever the source (quantize.source): memory holds one block's
+weights, its calibration statistics (Hessians included) and the calibration windows' hidden states,
+never the whole model.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 from contextlib import contextmanager
@@ -26,19 +30,17 @@ from tqdm import tqdm
 
 from churon.errors import ModelFileError
 from churon.formats.gguf import GGUFModel
-from churon.formats.gguf_writer import (
-    FILE_TYPES, GGUFModelWriter, TensorSpec, gguf_tensor_name, llama3_rope_freqs, permuted_heads, to_llama_cpp_layout,
-)
-from churon.formats.hf import HFModel
-from churon.formats.quants import dequantize, quant_type, quantize
+from churon.formats.gguf_writer import FILE_TYPES, GGUFModelWriter, TensorSpec
+from churon.formats.quants import quant_type, quantize
 from churon.loader import check_weights, open_model
-from churon.quantize.calibration import ActivationStats, collect_stats
+from churon.quantize.calibration import ActivationStats, calibrate_layerwise, calibration_windows, collect_stats
 from churon.quantize.mixed import FLOAT_TYPES, apply_keep, check_budget, default_type, parse_keep, spend_budget
+from churon.quantize.source import SourceTensors
 
 
 class QuantMethod(Protocol):
     name: str
-    needs_calibration: bool  # the pipeline collects stats via calibration.collect_stats when True
+    needs_calibration: bool  # the pipeline gathers stats via calibration.calibrate_layerwise when True
     needs_hessian: bool
 
     def transform(
@@ -135,45 +137,70 @@ def quantize_model(
         raise ValueError(f"{out}: the output would overwrite the source model")
     check_weights(source)
     source.check_types()
-    tensors = _SourceTensors(source)
+    tensors = SourceTensors(source)
     c = source.config
 
     types = {n: default_type(n, s, qtype, c.num_layers, c.tie_word_embeddings, pure) for n, s in tensors.shapes.items()}
     kept = apply_keep(types, tensors.shapes, keep_rules)
     if target_bpw is not None:
         check_budget(types, tensors.shapes, target_bpw)
-    stats: dict[str, ActivationStats] = {}
+    windows: list[list[int]] = []
     if quantizer.needs_calibration or target_bpw is not None:
         text = calib_text if calib_text is not None else default_calibration_text()
-        stats = collect_stats(source, text, hessian=quantizer.needs_hessian, progress=progress)
+        windows = calibration_windows(source, text)
+    all_stats: dict[str, ActivationStats] = {}
     if target_bpw is not None:
+        all_stats = collect_stats(source, windows, hessian=False, progress=progress)  # no Hessians: small
         with _single_threaded_torch():
             candidates = [n for n, t in types.items() if len(tensors.shapes[n]) >= 2 and n not in kept]
             types = spend_budget(
                 types, tensors.shapes, candidates, target_bpw, tensors.read,
-                lambda n: stats[n].mean_sq.float() if n in stats else None,
+                lambda n: all_stats[n].mean_sq.float() if n in all_stats else None,
                 lambda names: tqdm(names, desc="sensitivity", unit="tensor", disable=not progress))
 
+    # blocks in layer order, then the tensors outside them (the output matrix's inputs are known last);
+    # the writer puts each at its place in the file
+    groups = [tensors.block(i) for i in range(c.num_layers)]
+    groups.append([n for n in tensors.order if not n.startswith("blk.")])
+    if not quantizer.needs_calibration:
+        group_stats: Iterator[dict[str, ActivationStats]] = itertools.repeat({})
+    elif all_stats and not quantizer.needs_hessian:
+        group_stats = itertools.repeat(all_stats)
+    else:
+        group_stats = calibrate_layerwise(tensors, windows, quantizer.needs_hessian)
     specs = [TensorSpec(n, tensors.shapes[n], types[n]) for n in tensors.order]
-    file_type = FILE_TYPES[qtype]
-    with _single_threaded_torch(), GGUFModelWriter(out, source, specs, file_type) as writer:
+    with GGUFModelWriter(out, source, specs, FILE_TYPES[qtype]) as writer:
         bar = tqdm(total=len(specs), desc="quantize", unit="tensor", disable=not progress)
-        for group in tensors.groups():
-            layer = {n: tensors.read(n) for n in group}
-            if group[0].startswith("blk."):
-                layer = quantizer.transform(layer, stats, {n: types[n].name for n in group})
-            for name in group:
-                w, t = layer[name], types[name]
-                if t in FLOAT_TYPES or w.dim() < 2:  # nothing to round: no method involved
-                    raw = quantize(w.reshape(-1, w.shape[-1]), t)
-                else:
-                    raw = quantizer.quantize(name, w, t.name, stats.get(name))
-                writer.write(name, raw)
-                bar.update(1)
-            del layer  # before the next block is read: at most one block in memory
+        for i, group in enumerate(groups):
+            if quantizer.needs_calibration:
+                bar.set_postfix_str(f"calibrating blk.{i}" if i < c.num_layers else "calibrating output")
+            stats = next(group_stats)  # the block's forward on the calibration windows: every torch thread
+            bar.set_postfix_str("")
+            transform = quantizer.transform if i < c.num_layers else None
+            with _single_threaded_torch():
+                for name, raw in _quantize_group(group, tensors, types, stats, quantizer, transform):
+                    writer.write(name, raw)
+                    bar.update(1)
+            del stats  # before the next block is calibrated: one block's statistics at a time
         bar.close()
     return QuantizeReport(out, qtype.name, method, specs, time.perf_counter() - start, out.stat().st_size,
                           sorted(kept))
+
+
+def _quantize_group(
+    group: list[str], tensors: SourceTensors, types: dict[str, GGMLQuantizationType],
+    stats: dict[str, ActivationStats], quantizer: QuantMethod, transform: Callable | None,
+) -> Iterator[tuple[str, np.ndarray]]:
+    """(name, raw GGUF bytes) of each tensor of one group; the group's float weights live only in here."""
+    layer = {n: tensors.read(n) for n in group}
+    if transform is not None:
+        layer = transform(layer, stats, {n: types[n].name for n in group})
+    for name in group:
+        w, t = layer.pop(name), types[name]
+        if t in FLOAT_TYPES or w.dim() < 2:  # nothing to round: no method involved
+            yield name, quantize(w.reshape(-1, w.shape[-1]), t)
+        else:
+            yield name, quantizer.quantize(name, w, t.name, stats.get(name))
 
 
 @contextmanager
@@ -186,44 +213,3 @@ def _single_threaded_torch() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(threads)
-
-
-class _SourceTensors:
-    """The source's tensors by GGUF name, read one at a time as float32 in llama.cpp's layout."""
-
-    def __init__(self, source: GGUFModel | HFModel):
-        self.source = source
-        self.shapes: dict[str, tuple[int, ...]] = {}
-        self._hf: dict[str, torch.Tensor] = {}
-        if isinstance(source, GGUFModel):
-            for t in source.file.tensors.values():
-                self.shapes[t.name] = tuple(t.shape)
-        else:
-            factors = llama3_rope_freqs(source.config)
-            if factors is not None:
-                self._hf["rope_freqs.weight"] = factors
-            for canonical, w in source.load_weights().items():
-                name = gguf_tensor_name(source, canonical)
-                heads = permuted_heads(source, name)
-                self._hf[name] = w if heads is None else to_llama_cpp_layout(w, heads)
-            self.shapes = {n: tuple(w.shape) for n, w in self._hf.items()}
-        self.order = self._ordered()
-
-    def _ordered(self) -> list[str]:
-        """Tensor names, each transformer block's together (in the order blocks first appear)."""
-        return [n for group in self.groups() for n in group]
-
-    def groups(self) -> list[list[str]]:
-        by_key: dict[str, list[str]] = {}
-        for name in self.shapes:
-            parts = name.split(".")
-            key = ".".join(parts[:2]) if parts[0] == "blk" else ""
-            by_key.setdefault(key, []).append(name)
-        return list(by_key.values())
-
-    def read(self, name: str) -> torch.Tensor:
-        """A fresh float32 copy: methods may rewrite what they are given."""
-        if isinstance(self.source, HFModel):
-            return self._hf[name].to(torch.float32, copy=True)
-        t = self.source.file.tensors[name]
-        return dequantize(t.data, t.qtype, t.shape, name=name)

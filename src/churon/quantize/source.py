@@ -1,0 +1,79 @@
+"""SourceTensors: a model's tensors by GGUF name, read one at a time as float32.
+
+Quantization never holds the model: it reads a transformer block, quantizes and writes it, and
+lets it go. A GGUF source is dequantized tensor by tensor from its memory map; a Hugging Face
+source's safetensors are read tensor by tensor.
+
+Two layouts: `read` gives llama.cpp's (what a GGUF file stores: llama attn_q / attn_k rows
+interleaved per head), `read_canonical` gives Hugging Face's (what churon's Transformer runs).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from churon.formats.gguf import GGUFModel, canonical_name, from_llama_cpp_layout
+from churon.formats.gguf_writer import gguf_tensor_name, llama3_rope_freqs, permuted_heads, to_llama_cpp_layout
+from churon.formats.hf import HFModel
+from churon.formats.quants import dequantize
+
+
+class SourceTensors:
+    def __init__(self, source: GGUFModel | HFModel):
+        self.source = source
+        self.config = source.config
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        self._canonical: dict[str, str] = {}  # HF source: GGUF name -> canonical name
+        self._rope_freqs: torch.Tensor | None = None
+        if isinstance(source, GGUFModel):
+            self.shapes = {t.name: tuple(t.shape) for t in source.file.tensors.values()}
+        else:
+            self._rope_freqs = llama3_rope_freqs(source.config)
+            if self._rope_freqs is not None:
+                self.shapes["rope_freqs.weight"] = tuple(self._rope_freqs.shape)
+            tied = source.config.tie_word_embeddings
+            for canonical, shape in source.weight_shapes().items():
+                if tied and canonical == "lm_head.weight":
+                    continue  # llama.cpp writes no output matrix for tied embeddings
+                name = gguf_tensor_name(source, canonical)
+                self._canonical[name] = canonical
+                self.shapes[name] = tuple(shape)
+        self.order = [n for group in self.groups() for n in group]
+
+    def groups(self) -> list[list[str]]:
+        """Tensor names, each transformer block's together ('blk.N.*'), in the order blocks first appear;
+        the tensors outside the blocks (embeddings, output norm and matrix) form one group of their own."""
+        by_key: dict[str, list[str]] = {}
+        for name in self.shapes:
+            parts = name.split(".")
+            key = ".".join(parts[:2]) if parts[0] == "blk" else ""
+            by_key.setdefault(key, []).append(name)
+        return list(by_key.values())
+
+    def block(self, layer: int) -> list[str]:
+        return [n for n in self.shapes if n.startswith(f"blk.{layer}.")]
+
+    def read(self, name: str) -> torch.Tensor:
+        """A fresh float32 copy in llama.cpp's layout: methods may rewrite what they are given."""
+        w = self._read_stored(name)
+        if isinstance(self.source, HFModel):
+            heads = permuted_heads(self.source, name)
+            return w if heads is None else to_llama_cpp_layout(w, heads)
+        return w
+
+    def read_canonical(self, name: str) -> tuple[str, torch.Tensor]:
+        """(canonical name, float32 tensor in the Hugging Face layout) of GGUF tensor `name`."""
+        w = self._read_stored(name)
+        if isinstance(self.source, HFModel):
+            return self._canonical.get(name, name), w
+        canonical = canonical_name(name)
+        heads = permuted_heads(self.source, name)
+        return (canonical or name), (w if heads is None else from_llama_cpp_layout(w, heads))
+
+    def _read_stored(self, name: str) -> torch.Tensor:
+        if isinstance(self.source, GGUFModel):
+            t = self.source.file.tensors[name]
+            return dequantize(t.data, t.qtype, t.shape, name=name)
+        if name == "rope_freqs.weight":
+            return self._rope_freqs.clone()
+        return self.source.load_tensor(self._canonical[name])
