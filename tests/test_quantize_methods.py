@@ -4,6 +4,9 @@ Each method is judged by what it optimizes: the output error of a linear layer o
 inputs, ||X W^T - X Wq^T||^2 = tr(D H D^T) with D = W - Wq and H = X^T X.
 """
 
+import weakref
+
+import numpy as np
 import pytest
 import torch
 
@@ -14,10 +17,13 @@ from churon.kernels.backend import ReferenceBackend
 from churon.model.transformer import Transformer
 from churon.quantize.awq import AWQMethod, output_error, search_scales
 from churon.quantize.calibration import ActivationStats, collect_stats
+from churon.quantize import gptq
 from churon.quantize.gptq import (
     CODE_BYTES, GPTQMethod, block_grid, gptq_quantize, inverse_hessian_factor, write_codes,
 )
 from churon.quantize.imatrix import ImatrixMethod
+from churon.quantize.pipeline import quantize_model
+from churon.quantize.source import SourceTensors
 from tiny_models import make_hf_model, reference_model, unpermute_qk, write_gguf
 
 WINDOWS = [list(range(3, 67)), [(7 * i) % 300 + 3 for i in range(64)], [(13 * i + 5) % 350 + 3 for i in range(48)]]
@@ -62,6 +68,76 @@ def test_stats_match_the_inputs_of_a_reference_forward(llama_dir, llama_stats):
     assert llama_stats["blk.1.attn_q.weight"] is llama_stats["blk.1.attn_k.weight"] is llama_stats["blk.1.attn_v.weight"]
     assert llama_stats["blk.1.ffn_gate.weight"] is llama_stats["blk.1.ffn_up.weight"]
     assert llama_stats["token_embd.weight"].count == llama_stats["blk.0.attn_q.weight"].count  # tied logits
+
+
+@pytest.mark.parametrize("arch,fmt", [("llama", "gguf"), ("qwen2", "gguf"), ("qwen3", "hf")])
+def test_layerwise_stats_match_a_reference_forward_at_every_layer(tmp_path, arch, fmt):
+    """Calibration carries the windows' hidden states from block to block (one block's weights at a time);
+    every layer's inputs, and the output matrix's, are those of transformers' whole-model forward.
+    llama from GGUF: q/k rows in llama.cpp's layout; qwen2: q/k/v biases; qwen3: q/k norms, untied output."""
+    hf = make_hf_model(arch, tmp_path / "hf", tie_word_embeddings=arch != "qwen3")
+    source = GGUFModel(write_gguf(hf, tmp_path / "m.gguf", "F32")) if fmt == "gguf" else HFModel(hf)
+    stats = collect_stats(source, WINDOWS, hessian=True, progress=False)
+    model = reference_model(hf)
+    modules = {}
+    for i, layer in enumerate(model.model.layers):
+        modules |= {f"blk.{i}.attn_q.weight": layer.self_attn.q_proj, f"blk.{i}.attn_output.weight": layer.self_attn.o_proj,
+                    f"blk.{i}.ffn_up.weight": layer.mlp.up_proj, f"blk.{i}.ffn_down.weight": layer.mlp.down_proj}
+    modules["token_embd.weight" if arch != "qwen3" else "output.weight"] = model.lm_head
+    seen = {name: [] for name in modules}
+    hooks = [m.register_forward_pre_hook(lambda _, args, name=name: seen[name].append(args[0][0].clone()))
+             for name, m in modules.items()]
+    with torch.no_grad():
+        for window in WINDOWS:
+            model(torch.tensor([window]))
+    for h in hooks:
+        h.remove()
+    assert len(stats) == 7 * source.config.num_layers + 1
+    for name, inputs in seen.items():
+        x = torch.cat(inputs).double()
+        assert stats[name].count == x.shape[0], name
+        torch.testing.assert_close(stats[name].sum_sq, x.square().sum(0), rtol=1e-4, atol=1e-6, msg=name)
+        torch.testing.assert_close(stats[name].hessian, x.T @ x, rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_quantize_holds_one_block_at_a_time(tmp_path, llama_dir, monkeypatch, method):
+    """Reading any weight matrix, no matrix of another block is alive; creating any Hessian, no Hessian of
+    an earlier block is (calibration and quantization go block by block, never the whole model)."""
+    alive: list[tuple[str, weakref.ref]] = []
+
+    def group(name):
+        return name.split(".")[1] if name.startswith("blk.") else "outside the blocks"
+
+    def tracked(read):
+        def wrapper(self, name):
+            out = read(self, name)
+            w = out[1] if isinstance(out, tuple) else out
+            others = {g for g, ref in alive if ref() is not None} - {group(name)}
+            assert not others, f"reading {name} while weights of {others} are alive"
+            if w.dim() == 2:
+                alive.append((group(name), weakref.ref(w)))
+            return out
+        return wrapper
+
+    monkeypatch.setattr(SourceTensors, "read", tracked(SourceTensors.read))
+    monkeypatch.setattr(SourceTensors, "read_canonical", tracked(SourceTensors.read_canonical))
+    hessians: list[weakref.ref] = []
+    empty = ActivationStats.empty.__func__
+
+    def tracked_empty(cls, cols, hessian):
+        stats = empty(cls, cols, hessian)
+        block_start = len(hessians) // 4 * 4  # four distinct inputs per block: qkv, o, gate_up, down
+        assert all(ref() is None for ref in hessians[:block_start]), "an earlier block's Hessian is alive"
+        hessians.append(weakref.ref(stats))
+        return stats
+
+    monkeypatch.setattr(ActivationStats, "empty", classmethod(tracked_empty))
+    hf = make_hf_model("llama", tmp_path / "hf", seed=3)
+    text = "The quick brown fox jumps over the lazy dog. " * 60
+    quantize_model(hf, tmp_path / "q.gguf", "Q4_0", method=method, calib_text=text, progress=False)
+    n_layers = HFModel(hf).config.num_layers
+    assert len(hessians) == 4 * n_layers + 1 and len({g for g, _ in alive}) == n_layers + 1
 
 
 def test_collect_stats_from_text_cuts_windows(llama_dir):
@@ -124,6 +200,20 @@ def test_gptq_on_a_tiny_models_layer(llama_dir, llama_stats):
     s = llama_stats["blk.1.ffn_down.weight"]
     rtn = _layer_error(s, w, dq(quantize(w, "Q4_0"), "Q4_0", w.shape))
     assert _layer_error(s, w, dq(gptq_quantize(w, "Q4_0", s.hessian), "Q4_0", w.shape)) < rtn
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q6_K"])
+def test_gptq_works_on_rows_a_chunk_at_a_time(monkeypatch, qtype):
+    """Each row compensates only its own error: chunks of rows (7 here, not dividing 48) give the same bytes."""
+    cols = 256
+    stats = ActivationStats.empty(cols, hessian=True)
+    stats.add(_correlated_inputs(512, cols))
+    w = torch.randn(48, cols, generator=torch.Generator().manual_seed(2)) * 0.1
+    whole = gptq_quantize(w, qtype, stats.hessian)
+    monkeypatch.setattr(gptq, "ROW_CHUNK_VALUES", 7 * cols)
+    chunked = gptq_quantize(w, qtype, stats.hessian)
+    assert whole.shape == chunked.shape
+    np.testing.assert_array_equal(chunked, whole)
 
 
 def test_gptq_leaves_float_types_alone_and_checks_block_width():

@@ -43,6 +43,7 @@ from churon.quantize.mixed import FLOAT_TYPES
 # them; on SmolLM2 Q4_0 (GPL-3, 4 windows) mean KL was 0.137 at 0.05 and 0.134 at 0.3.
 DAMP = 0.3
 LAZY_BATCH = 128  # columns whose updates are applied to the rest of the weight at once
+ROW_CHUNK_VALUES = 1 << 22  # weights of the rows GPTQ works on at once (float64 copies: 32 MB each)
 
 
 def inverse_hessian_factor(hessian: torch.Tensor, damp: float = DAMP) -> torch.Tensor:
@@ -122,16 +123,20 @@ def write_codes(raw: np.ndarray, qtype: GGMLQuantizationType, codes: torch.Tenso
     value, code_bit, byte_index = code_bit_layout(qtype)
     block, type_size = GGML_QUANT_SIZES[qtype]
     blocks = np.array(raw, dtype=np.uint8).reshape(-1, type_size)
-    c = codes.to(torch.int64).reshape(-1, block).numpy() & 0xFF  # two's complement for Q8_0's signed codes
-    bits = (c[:, value] >> code_bit) & 1  # [n_blocks, n_bytes, 8]
-    blocks[:, byte_index] = (bits << np.arange(8)).sum(-1).astype(np.uint8)
+    c = (codes.to(torch.int64).reshape(-1, block).numpy() & 0xFF).astype(np.uint8)  # Q8_0's signed codes: two's complement
+    bits = (c[:, value] >> code_bit.astype(np.uint8)) & 1  # [n_blocks, n_bytes, 8]
+    blocks[:, byte_index] = np.packbits(bits, axis=-1, bitorder="little")[..., 0]
     return blocks.reshape(np.asarray(raw).shape)
 
 
 def gptq_quantize(
     w: torch.Tensor, qtype: str | GGMLQuantizationType, hessian: torch.Tensor, damp: float = DAMP
 ) -> np.ndarray:
-    """w float32 [rows, cols] -> raw GGUF blocks [rows, cols // block * type_size], GPTQ-compensated."""
+    """w float32 [rows, cols] -> raw GGUF blocks [rows, cols // block * type_size], GPTQ-compensated.
+
+    Rows are independent (each compensates its own error): they go ROW_CHUNK_VALUES values at a time,
+    so the float64 working copies stay small whatever the matrix (a 49k-row embedding took 5 GB at once).
+    """
     qtype = quant_type(qtype)
     if qtype in FLOAT_TYPES:
         return quantize(w, qtype)
@@ -141,7 +146,15 @@ def gptq_quantize(
     h = hessian.double()
     order = torch.argsort(h.diagonal(), descending=True)  # columns by input energy, largest first
     u = inverse_hessian_factor(h[order][:, order], damp)
-    raw = quantize(w, qtype, importance=h.diagonal().float())  # the block scales, fixed from here on
+    importance = h.diagonal().float()
+    step = max(1, ROW_CHUNK_VALUES // cols)
+    return np.concatenate([_gptq_rows(w[r : r + step], qtype, importance, order, u) for r in range(0, rows, step)])
+
+
+def _gptq_rows(w: torch.Tensor, qtype: GGMLQuantizationType, importance: torch.Tensor, order: torch.Tensor,
+               u: torch.Tensor) -> np.ndarray:
+    rows, cols = w.shape
+    raw = quantize(w, qtype, importance=importance)  # the block scales, fixed from here on
     offset, step = (t[:, order] for t in block_grid(raw, qtype, (rows, cols)))
     lo, hi = CODE_BYTES[qtype][2:]
     weights = w.double()[:, order]
