@@ -537,6 +537,7 @@ def run_attention(q, k, v, table, lens, scale, q_stride=0):
         ([33, 600], 4, 4, 48, 32),  # MHA, head_dim not a multiple of 16, 3 partitions
         ([70], 8, 1, 20, 7),  # MQA, odd block size
         ([130, 64], 4, 2, 128, 16),  # head_dim 128
+        ([(i * 29) % 200 for i in range(37)], 9, 3, 64, 16),  # three blocks of query tasks, the last partial
     ],
 )
 def test_attention_decode(isa, threads, seq_lens, num_heads, num_kv_heads, head_dim, block_size):

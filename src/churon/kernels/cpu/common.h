@@ -86,6 +86,11 @@ struct ActQ {
 // kKvI8: int8 values with one float32 scale per (slot, kv head): x = q * scale, scale = amax / 127
 enum KvDtype : int { kKvF32 = 0, kKvF16 = 1, kKvBF16 = 2, kKvI8 = 3 };
 
+// attn_partial's tasks: (query token, partition) pairs, taken kAttnQueryBlock query tokens at a
+// time, partition-major within the block; a driver runs ceil(num_seqs / kAttnQueryBlock) *
+// kAttnQueryBlock * max_parts of them
+constexpr int64_t kAttnQueryBlock = 16;
+
 struct AttnArgs {
   const float* q;            // [num_seqs, q_stride] : head h at q + seq * q_stride + h * head_dim
   const void* k_cache;       // [num_blocks, block_size, num_kv_heads, head_dim] of kv_dtype

@@ -1263,9 +1263,15 @@ void attn_part_generic(const AttnArgs& a, int64_t seq, int64_t part, float* scor
 void attn_partial(const AttnArgs& a, int64_t t0, int64_t t1, float* scratch) {
   float* scores = scratch;                             // [num_heads][part_tokens]
   float* acc = scratch + a.num_heads * a.part_tokens;  // [num_heads][2][head_dim]
-  for (int64_t task = t0; task < t1; ++task) {     // task = seq * max_parts + part
-    const int64_t seq = task / a.max_parts, part = task % a.max_parts;
-    if (part * a.part_tokens >= a.seq_lens[seq]) continue;  // beyond this sequence: unused
+  // Tasks go kAttnQueryBlock query tokens at a time, partition-major within the block: the
+  // tokens of a prefill chunk read the same partitions of the same cache, so a partition is
+  // loaded once (into L1 / L2) for the whole block instead of once per token (a 2048-token
+  // prompt's cache is larger than L2). The order changes nothing of what a task computes.
+  const int64_t block_tasks = kAttnQueryBlock * a.max_parts;
+  for (int64_t task = t0; task < t1; ++task) {
+    const int64_t first = task / block_tasks * kAttnQueryBlock, r = task % block_tasks;
+    const int64_t part = r / kAttnQueryBlock, seq = first + r % kAttnQueryBlock;
+    if (seq >= a.num_seqs || part * a.part_tokens >= a.seq_lens[seq]) continue;  // nothing to do
 #if defined(K_AVX512)
 #define CHURON_ATTN_NV(NV)                                                                   \
   case 16 * NV:                                                                              \

@@ -712,7 +712,7 @@ void attention_decode(uintptr_t qp, uintptr_t kp, uintptr_t vp, uintptr_t btp, u
   a.partial = reinterpret_cast<float*>(g_attn_buf.p);
   float* scratch = a.partial + (partial_floats + 15) / 16 * 16;
   const KernelTable* k = kt();
-  const int64_t ntasks = num_seqs * a.max_parts;
+  const int64_t ntasks = (num_seqs + kAttnQueryBlock - 1) / kAttnQueryBlock * kAttnQueryBlock * a.max_parts;
   parallel_for(ntasks, 1, [&](int64_t b, int64_t e, int tid) { k->attn_partial(a, b, e, scratch + tid * per_thread); });
   const int64_t nout = num_seqs * num_heads;
   if (nout * head_dim >= kParallelElems)
