@@ -162,17 +162,16 @@ def quantize_model(
     # the writer puts each at its place in the file
     groups = [tensors.block(i) for i in range(c.num_layers)]
     groups.append([n for n in tensors.order if not n.startswith("blk.")])
-    if not quantizer.needs_calibration:
-        group_stats: Iterator[dict[str, ActivationStats]] = itertools.repeat({})
-    elif all_stats and not quantizer.needs_hessian:
+    calibrating = quantizer.needs_calibration and (quantizer.needs_hessian or not all_stats)
+    if calibrating:
+        group_stats: Iterator[dict[str, ActivationStats]] = calibrate_layerwise(tensors, windows, quantizer.needs_hessian)
+    else:  # no statistics needed, or the budget's (without Hessians) serve
         group_stats = itertools.repeat(all_stats)
-    else:
-        group_stats = calibrate_layerwise(tensors, windows, quantizer.needs_hessian)
     specs = [TensorSpec(n, tensors.shapes[n], types[n]) for n in tensors.order]
     with GGUFModelWriter(out, source, specs, FILE_TYPES[qtype]) as writer:
         bar = tqdm(total=len(specs), desc="quantize", unit="tensor", disable=not progress)
         for i, group in enumerate(groups):
-            if quantizer.needs_calibration:
+            if calibrating:
                 bar.set_postfix_str(f"calibrating blk.{i}" if i < c.num_layers else "calibrating output")
             stats = next(group_stats)  # the block's forward on the calibration windows: every torch thread
             bar.set_postfix_str("")
