@@ -31,25 +31,16 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
 from churon import kernels
 from churon.formats.quants import dequantize
+from churon.kernels.reference import random_weight_bytes
 
 # SmolLM2-135M: q/o, k/v, gate/up, fused gate_up, down, lm_head (tied Q8_0 embedding)
 SHAPES = [(576, 576), (192, 576), (960, 576), (1536, 576), (3072, 576), (576, 1536), (49152, 576)]
 LM_HEAD = (49152, 576)
-FP16_FIELDS = {T.Q8_0: [0], T.Q4_0: [0], T.Q4_1: [0, 2], T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208]}
-FLOAT_DTYPES = {T.F32: torch.float32, T.F16: torch.float16, T.BF16: torch.bfloat16}
 
 
 def weight_bytes(qtype: T, rows: int, cols: int) -> np.ndarray:
     rng = np.random.default_rng(zlib.crc32(f"{qtype.name}{rows}x{cols}".encode()))
-    if qtype in FLOAT_DTYPES:
-        w = torch.from_numpy(rng.standard_normal((rows, cols)).astype(np.float32)).to(FLOAT_DTYPES[qtype])
-        return w.view(torch.uint8).numpy().reshape(-1).copy()
-    block, size = GGML_QUANT_SIZES[qtype]
-    n = rows * cols // block
-    blocks = rng.integers(0, 256, size=(n, size), dtype=np.uint8)
-    for off in FP16_FIELDS[qtype]:
-        blocks[:, off : off + 2] = rng.uniform(-0.05, 0.05, n).astype(np.float16).view(np.uint8).reshape(n, 2)
-    return blocks.reshape(-1)
+    return random_weight_bytes(qtype, rows, cols, rng, scale=0.05)
 
 
 def best_time(fn, passes: int) -> float:

@@ -31,7 +31,7 @@ import zlib
 import numpy as np
 import pytest
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+from gguf import GGMLQuantizationType as T
 
 from churon import kernels
 from churon.formats.quants import dequantize
@@ -46,7 +46,6 @@ ISAS = cpu.available_isas() if cpu is not None else []
 QUANT_TYPES = [T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
 FLOAT_TYPES = [T.F32, T.F16, T.BF16]
 K_QUANTS = {T.Q4_K, T.Q5_K, T.Q6_K}
-FP16_FIELDS = {T.Q8_0: [0], T.Q4_0: [0], T.Q4_1: [0, 2], T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208]}
 TIGHT_RTOL = 2e-6
 
 
@@ -55,19 +54,7 @@ def rng_for(*key) -> np.random.Generator:
 
 
 def weight_bytes(qtype: T, rows: int, cols: int, seed: int = 0) -> np.ndarray:
-    """Raw GGUF bytes: random codes with finite fp16 scales of either sign (quantized types),
-    or random normal values (float types)."""
-    rng = rng_for("weight", qtype.name, rows, cols, seed)
-    if qtype in FLOAT_TYPES:
-        dtype = {T.F32: torch.float32, T.F16: torch.float16, T.BF16: torch.bfloat16}[qtype]
-        w = torch.from_numpy(rng.standard_normal((rows, cols)).astype(np.float32)).to(dtype)
-        return w.view(torch.uint8).numpy().reshape(-1).copy()
-    block, size = GGML_QUANT_SIZES[qtype]
-    n = rows * cols // block
-    blocks = rng.integers(0, 256, size=(n, size), dtype=np.uint8)
-    for off in FP16_FIELDS[qtype]:
-        blocks[:, off : off + 2] = rng.uniform(-0.1, 0.1, n).astype(np.float16).view(np.uint8).reshape(n, 2)
-    return blocks.reshape(-1)
+    return ref.random_weight_bytes(qtype, rows, cols, rng_for("weight", qtype.name, rows, cols, seed))
 
 
 def cols_for(qtype: T, k: int = 2) -> int:

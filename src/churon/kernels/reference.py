@@ -9,11 +9,31 @@ from __future__ import annotations
 import numpy as np
 import torch
 import torch.nn.functional as F
-from gguf import GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from churon.formats.quants import dequantize
 
 Q8_BLOCK = 32  # activations are quantized per 32 values
+
+_T = GGMLQuantizationType
+# byte offsets of the fp16 scale fields in each block (d, and dmin or m where the type has one)
+FP16_FIELDS = {_T.Q8_0: [0], _T.Q4_0: [0], _T.Q4_1: [0, 2], _T.Q4_K: [0, 2], _T.Q5_K: [0, 2], _T.Q6_K: [208]}
+_FLOAT_DTYPES = {_T.F32: torch.float32, _T.F16: torch.float16, _T.BF16: torch.bfloat16}
+
+
+def random_weight_bytes(qtype: GGMLQuantizationType, rows: int, cols: int, rng: np.random.Generator,
+                        scale: float = 0.1) -> np.ndarray:
+    """Raw GGUF bytes of a rows x cols weight, for kernel tests and benchmarks: random codes with finite
+    fp16 scales of either sign in [-scale, scale] (quantized types), or standard normal values (float types)."""
+    if qtype in _FLOAT_DTYPES:
+        w = torch.from_numpy(rng.standard_normal((rows, cols)).astype(np.float32)).to(_FLOAT_DTYPES[qtype])
+        return w.view(torch.uint8).numpy().reshape(-1).copy()
+    block, size = GGML_QUANT_SIZES[qtype]
+    n = rows * cols // block
+    blocks = rng.integers(0, 256, size=(n, size), dtype=np.uint8)
+    for off in FP16_FIELDS[qtype]:
+        blocks[:, off : off + 2] = rng.uniform(-scale, scale, n).astype(np.float16).view(np.uint8).reshape(n, 2)
+    return blocks.reshape(-1)
 
 
 # ---------------------------------------------------------------------------
