@@ -69,6 +69,10 @@ def default_threads() -> int:
     return max(1, min(len(cores) or affinity, affinity))
 
 
+# element types of the KV cache, by torch name (kv_cache.KV_DTYPES maps them to torch dtypes)
+KV_DTYPE_CHOICES = ("float32", "bfloat16", "float16", "int8")
+
+
 @dataclass
 class EngineConfig:
     """Runtime knobs of the serving engine."""
@@ -94,9 +98,9 @@ class EngineConfig:
             raise ValueError(f"invalid engine setting kv_cache_fraction={self.kv_cache_fraction!r}: must be in (0, 1]")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"invalid engine setting max_model_len={self.max_model_len!r}: must be >= 2")
-        if self.kv_dtype not in ("auto", "float32", "bfloat16", "float16", "int8"):
+        if self.kv_dtype not in ("auto", *KV_DTYPE_CHOICES):
             raise ValueError(
-                f"invalid engine setting kv_dtype={self.kv_dtype!r}: must be auto, float32, bfloat16, float16 or int8"
+                f"invalid engine setting kv_dtype={self.kv_dtype!r}: must be one of auto, {', '.join(KV_DTYPE_CHOICES)}"
             )
 
     def kv_torch_dtype(self, default):

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import torch
 
-from churon.config import ModelConfig
+from churon.config import KV_DTYPE_CHOICES, ModelConfig
 
-KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int8": torch.int8}
+KV_DTYPES = {name: getattr(torch, name) for name in KV_DTYPE_CHOICES}
 KV_DTYPE_NAMES = {dtype: name for name, dtype in KV_DTYPES.items()}
 SCALE_BYTES = 4  # one float32 scale per (token, kv head) in an int8 cache
 
