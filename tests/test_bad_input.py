@@ -1,5 +1,6 @@
 """Bad input gets a clear error naming the file, tensor, field or value; nothing crashes bare."""
 
+import re
 import subprocess
 import sys
 
@@ -8,6 +9,7 @@ import numpy as np
 import pytest
 
 from churon import LLM, ChuronError, ContextLengthError, ModelFileError, SamplingParams, UnsupportedModelError
+from churon.config import EngineConfig
 from churon.loader import load_model
 from tiny_models import make_hf_model, write_gguf
 
@@ -173,3 +175,19 @@ def test_cli_reports_a_missing_model_without_a_traceback():
     result = subprocess.run([sys.executable, "-m", "churon.cli", "inspect", "/no/such.gguf"], capture_output=True, text=True)
     assert result.returncode == 1
     assert "/no/such.gguf" in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    "setting,match",
+    [
+        ({"kv_dtype": "fp8"}, "kv_dtype='fp8': must be one of auto, float32, bfloat16, float16, int8"),
+        ({"block_size": 0}, "block_size=0: must be an integer >= 1"),
+        ({"max_num_seqs": 2.5}, "max_num_seqs=2.5"),
+        ({"kv_cache_memory": 0}, "kv_cache_memory=0"),
+        ({"kv_cache_fraction": 1.5}, "kv_cache_fraction=1.5"),
+        ({"max_model_len": 1}, "max_model_len=1"),
+    ],
+)
+def test_invalid_engine_settings(setting, match):
+    with pytest.raises(ValueError, match=re.escape(f"invalid engine setting {match}")):
+        EngineConfig(**setting)
