@@ -17,6 +17,9 @@ SmolLM2-135M-Instruct Q4_1, the same GGUF and thread count for every engine.
                         dozens of tokens: the output gives where and the logit gap there; mixed-up sequences
                         would differ at once and by a wide gap).
    Ratios: churon batched / churon sequential (target >= 4x) and churon batched / llama.cpp best (>= 1.5x).
+   Ceiling: the workload's matmuls alone (every prompt and generated token through the layers, every
+   sampled token's logits) at the rate churon's kernels reach with 512 rows, measured in the batched
+   phase's process; the most batching could give over sequential before attention and the rest.
 2. Peak resident memory (ru_maxrss) per row: every engine setting runs in a subprocess of its own
    (this script with --only PHASE), so each peak is that phase's alone. The CPU % column is the share of
    --threads cores each timed phase got (CPU time / wall / threads): well under 100 flags a run slowed by
@@ -206,6 +209,30 @@ def churon_warmup(llm, workload: dict, prompt_len: int, batch: int) -> None:
     llm.generate(prompts[:1], params, use_tqdm=False)
 
 
+def matmul_ceiling(model) -> dict:
+    """What the matmuls alone cost: the model's multiply-adds per token (the decoder layers) and per sampled
+    token (the logits, computed at 16-bit activation precision: twice the multiply-adds), and the rate
+    churon's kernels reach on the model's own layer matrices with 512 activation rows (a prompt chunk),
+    which is where they run fastest."""
+    import torch
+
+    layer = model.layers[0]
+    matrices = [layer.qkv, layer.o, layer.gate_up, layer.down]
+    macs, seconds = 0, 0.0
+    for w in matrices:
+        x = torch.randn(512, w.cols)
+        model.backend.linear(w, x)  # warm-up
+        best = float("inf")
+        for _ in range(5):
+            t0 = time.perf_counter()
+            model.backend.linear(w, x)
+            best = min(best, time.perf_counter() - t0)
+        macs, seconds = macs + 512 * w.rows * w.cols, seconds + best
+    return {"macs_per_token": len(model.layers) * sum(w.rows * w.cols for w in matrices),
+            "macs_per_logits_row": 2 * model.lm_head.rows * model.lm_head.cols,
+            "matmul_gmacs": macs / seconds / 1e9}
+
+
 def phase_churon_batched(args, workload: dict, max_num_seqs: int) -> dict:
     from churon import SamplingParams
 
@@ -233,6 +260,8 @@ def phase_churon_batched(args, workload: dict, max_num_seqs: int) -> dict:
         "rss_after_load_mib": rss_loaded,
         "peak_rss_mib": peak_rss_mib(),
         "check_token_ids": [o.token_ids for o in outs[: args.sequential_requests]],
+        "prompt_tokens": sum(len(p) for p in prompts),
+        "ceiling": matmul_ceiling(llm.model),
     }
 
 
@@ -584,6 +613,16 @@ def report(args, results: dict, seconds: float, load_before: float) -> dict:
         ratios["churon_batched_over_sequential"] = r
         print(f"churon batched / churon sequential : {r:6.2f}x   target >= {TARGET_VS_SEQUENTIAL:.1f}x "
               f"{'met' if r >= TARGET_VS_SEQUENTIAL else 'NOT met'}")
+    if best_churon and seq and "error" not in seq and best_churon.get("ceiling"):
+        # every prompt token and every generated token but the last of each request runs through the layers once
+        c, v = best_churon["ceiling"], best_churon
+        tokens = v["prompt_tokens"] + v["generated_tokens"] - v["requests"]
+        floor = (tokens * c["macs_per_token"] + v["generated_tokens"] * c["macs_per_logits_row"]) / (c["matmul_gmacs"] * 1e9)
+        most = v["generated_tokens"] / floor / seq["output_tokens_per_second"]
+        ratios["churon_batched_over_sequential_matmul_ceiling"] = most
+        print(f"  ceiling: the workload's matmuls alone, at the {c['matmul_gmacs']:.0f} GMAC/s the kernels reach with 512"
+              f" rows, take {floor:.1f} s: at most {v['generated_tokens'] / floor:.0f} tok/s = {most:.2f}x sequential"
+              f" (attention, norms and sampling not counted)")
     if best_churon and best_lc:
         r = best_churon["output_tokens_per_second"] / best_lc["output_tokens_per_second"]
         ratios["churon_batched_over_llamacpp_best"] = r
