@@ -15,6 +15,13 @@ def test_temperature_zero_is_argmax():
     assert draw(SamplingParams(temperature=0), [0.1, 3.0, 2.9, -1.0]) == [1]
 
 
+def test_greedy_takes_the_first_of_tied_maxima_and_ignores_padding_columns():
+    assert draw(SamplingParams(temperature=0), [0.1, 3.0, -2.0, 3.0]) == [1]
+    sampler = Sampler(SamplingParams(temperature=0), 3, ())
+    assert sampler(torch.tensor([0.5, 2.0, 1.0, 9.0])) == 1  # column 3 is beyond the vocabulary
+    assert sampler(torch.tensor([[0.0, 5.0], [1.0, 0.0], [4.0, 0.0], [9.0, 0.0]])[:, 0]) == 2  # a strided row
+
+
 def test_logit_bias_changes_argmax():
     assert draw(SamplingParams(temperature=0, logit_bias={2: 0.2}), [0.1, 3.0, 2.9, -1.0]) == [2]
 

@@ -113,7 +113,7 @@ class Sampler:
         logits = logits[: self.vocab_size]
         edits = p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty or self.bias is not None
         if p.greedy and not edits and allowed is None:
-            return int(torch.argmax(logits))
+            return _argmax(logits)
         logits = logits.clone()  # the steps below edit it in place
         if p.repetition_penalty != 1.0:
             penalized = logits[self.seen]
@@ -125,7 +125,7 @@ class Sampler:
         if allowed is not None:
             logits[~allowed[: self.vocab_size]] = -math.inf
         if p.greedy:
-            return int(torch.argmax(logits))
+            return _argmax(logits)
         logits /= p.temperature
         if 0 < p.top_k < logits.shape[0]:
             kth = torch.topk(logits, p.top_k).values[-1]
@@ -139,6 +139,12 @@ class Sampler:
         cdf = probs.cumsum(0)
         u = torch.rand(1, generator=self.generator) * cdf[-1]
         return int(torch.searchsorted(cdf, u, right=True))  # the first token whose cdf exceeds u
+
+
+def _argmax(logits: torch.Tensor) -> int:
+    """The first index of the maximum. numpy's takes 4 us over a 49k vocabulary, torch.argmax 45 us
+    (64 of them per decode step of a full batch)."""
+    return int(logits.numpy().argmax())
 
 
 def _outside_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
