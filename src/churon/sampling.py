@@ -90,9 +90,11 @@ class Sampler:
             if not 0 <= token < vocab_size:
                 raise ValueError(f"invalid token id {token} in sampling parameters: vocabulary has {vocab_size} tokens")
         self.generator = torch.Generator().manual_seed(params.seed if params.seed is not None else secrets.randbits(63))
-        self.output_counts = torch.zeros(vocab_size, dtype=torch.float32)
-        self.seen = torch.zeros(vocab_size, dtype=torch.bool)  # prompt and output, for the repetition penalty
-        if len(prompt_ids):
+        # token counts only where a penalty reads them (keeping them costs two tensor ops per token)
+        self.counting = params.repetition_penalty != 1.0 or bool(params.presence_penalty or params.frequency_penalty)
+        self.output_counts = torch.zeros(vocab_size if self.counting else 0, dtype=torch.float32)
+        self.seen = torch.zeros(vocab_size if self.counting else 0, dtype=torch.bool)  # prompt and output tokens
+        if self.counting and len(prompt_ids):
             self.seen[torch.as_tensor(list(prompt_ids), dtype=torch.long)] = True
         self.bias = None
         if params.logit_bias:
@@ -101,8 +103,9 @@ class Sampler:
                 self.bias[token] = value
 
     def accept(self, token: int) -> None:
-        self.output_counts[token] += 1
-        self.seen[token] = True
+        if self.counting:
+            self.output_counts[token] += 1
+            self.seen[token] = True
 
     def __call__(self, logits: torch.Tensor, allowed: torch.Tensor | None = None) -> int:
         """logits: float32 [vocab] (may be wider than the vocabulary: padding columns are ignored).

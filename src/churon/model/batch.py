@@ -53,10 +53,12 @@ class ForwardBatch:
         positions: list[int] = []
         query_start = [0]
         context_lens: list[int] = []
-        new_slots: list[torch.Tensor] = []
+        slots: list[int] = []
         logits_indices: list[int] = []
         max_blocks = max(len(c.block_table) for c in chunks)
-        block_tables = torch.zeros(len(chunks), max_blocks, dtype=torch.int32)
+        tables: list[list[int]] = []
+        # plain Python per chunk: a few small torch ops per sequence cost more than the rest of a
+        # 64-sequence decode step's bookkeeping
         for i, c in enumerate(chunks):
             end = len(c.token_ids)
             if not 0 <= c.start < end:
@@ -65,22 +67,22 @@ class ForwardBatch:
                 raise ValueError(f"sequence chunk {i}: {end} tokens need more than its {len(c.block_table)} blocks")
             ids.extend(c.token_ids[c.start :])
             positions.extend(range(c.start, end))
-            table = torch.as_tensor(list(c.block_table), dtype=torch.int64)
-            block_tables[i, : len(table)] = table.to(torch.int32)
-            new_slots.append(slots_of(table, torch.arange(c.start, end), block_size))
+            table = list(c.block_table)
+            tables.append(table + [0] * (max_blocks - len(table)))
+            slots.extend(table[pos // block_size] * block_size + pos % block_size for pos in range(c.start, end))
             context_lens.append(end)
             if c.all_logits:
                 logits_indices.extend(range(query_start[-1], query_start[-1] + end - c.start))
             elif c.need_logits:
                 logits_indices.append(query_start[-1] + end - c.start - 1)
             query_start.append(query_start[-1] + end - c.start)
-        slot_mapping = torch.cat(new_slots)
+        block_tables = torch.tensor(tables, dtype=torch.int32)
         positions_t = torch.tensor(positions, dtype=torch.int64)
         seq_of_token = torch.repeat_interleave(torch.arange(len(chunks)), torch.tensor(query_start).diff())
         return cls(
             input_ids=torch.tensor(ids, dtype=torch.int64),
             positions=positions_t,
-            slot_mapping=slot_mapping,
+            slot_mapping=torch.tensor(slots, dtype=torch.int64),
             query_start=query_start,
             context_lens=context_lens,
             block_tables=block_tables,
