@@ -149,6 +149,7 @@ def calibrate_layerwise(
     out = ActivationStats.empty(c.hidden_size, hessian)
     for x in residuals:
         out.add(backend.rms_norm(x, norm, eps))
+    # with tied embeddings the logits read token_embd (llama.cpp's imatrix records it under that name)
     yield {"token_embd.weight" if c.tie_word_embeddings else "output.weight": out}
 
 
