@@ -7,6 +7,7 @@ import torch
 
 from churon import SamplingParams
 from churon.config import EngineConfig
+from churon import engine as engine_module
 from churon.engine import LLMEngine
 from churon.loader import load_model
 from tiny_models import make_hf_model, write_gguf
@@ -145,3 +146,39 @@ def test_prompt_logprobs_with_a_cached_prefix(model_and_tokenizer):
     expected = full_logprobs(model, prompt)
     for i in range(1, len(prompt)):
         check_entry(with_logprobs.prompt_logprobs[i], expected[i - 1], prompt[i], 1, tol)
+
+
+def test_prompt_logits_rows_per_step_are_bounded(model_and_tokenizer, monkeypatch):
+    """Requests asking for prompt logprobs run at most max_prompt_logits_rows prompt tokens per step, all
+    together (each row is vocabulary-wide); their logprobs and every request's tokens stay the same."""
+    model, _ = model_and_tokenizer
+    ps = prompts(6, seed=4)
+    params = [
+        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, prompt_logprobs=2 if i % 2 else None) for i in range(6)
+    ]
+
+    def run(logits_rows: int | None):
+        if logits_rows is not None:
+            monkeypatch.setattr(engine_module, "PROMPT_LOGITS_BYTES", logits_rows * 4 * model.config.vocab_size)
+        eng = engine(model_and_tokenizer)
+        rows: list[int] = []  # per step: the tokens of chunks that return every row
+        execute = eng.runner.execute
+
+        def counting(scheduled, all_rows):
+            rows.append(sum(s.num_tokens for s, every in zip(scheduled, all_rows) if every))
+            return execute(scheduled, all_rows)
+
+        eng.runner.execute = counting
+        return eng, eng.generate(ps, params), rows
+
+    _, free, free_rows = run(None)
+    bounded_engine, bounded, bounded_rows = run(5)
+    assert bounded_engine.scheduler.max_prompt_logits_rows == 5
+    assert max(bounded_rows) <= 5 < max(free_rows)
+    assert [o.token_ids for o in bounded] == [o.token_ids for o in free]
+    if model.backend.name == "native":  # batch-invariant: the same bits whatever the chunks
+        assert [o.prompt_logprobs for o in bounded] == [o.prompt_logprobs for o in free]
+    for a, b in zip(bounded, free):  # the reference's float32 GEMM rounds by chunk size
+        assert len(a.prompt_logprobs or []) == len(b.prompt_logprobs or [])
+        for x, y in zip((a.prompt_logprobs or [])[1:], (b.prompt_logprobs or [])[1:]):
+            assert x.token_id == y.token_id and x.logprob == pytest.approx(y.logprob, abs=TOLERANCE["reference"])

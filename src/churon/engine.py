@@ -36,6 +36,10 @@ from churon.structured import Grammar, StructuredOutput
 from churon.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
+# Logits of prompt tokens one step may return for prompt logprobs (with chunked prefill): the rows
+# of a prompt chunk are vocabulary-wide float32.
+PROMPT_LOGITS_BYTES = 128 << 20
+
 @dataclass
 class Metrics:
     prompt_tokens: int = 0
@@ -256,7 +260,8 @@ class LLMEngine:
         self.cache = PagedKVCache(self.model_config, self.memory_plan.num_blocks, self.config.block_size, kv_dtype)
         self.block_manager = BlockManager(self.memory_plan.num_blocks, self.config.block_size, self.config.enable_prefix_caching)
         self.scheduler = Scheduler(
-            self.block_manager, self.config.max_num_seqs, self.config.max_num_batched_tokens, self.config.enable_chunked_prefill
+            self.block_manager, self.config.max_num_seqs, self.config.max_num_batched_tokens, self.config.enable_chunked_prefill,
+            max_prompt_logits_rows=max(1, PROMPT_LOGITS_BYTES // (4 * self.model_config.vocab_size)),
         )
         self.runner = ModelRunner(model, self.cache)
         self.structured_output = StructuredOutput(tokenizer, self.model_config.vocab_size)

@@ -12,6 +12,10 @@ Each step (as vLLM v1 does it):
    than the budget left is split; without it a prompt runs whole or waits. The queue head
    blocks the queue: nobody overtakes it.
 
+A sequence that asks for prompt logprobs returns a row of logits for every prompt token it runs
+(vocabulary-wide: 2048 rows of a 152k vocabulary are 1.2 GB); with chunked prefill, all such
+sequences together run at most max_prompt_logits_rows prompt tokens per step.
+
 The engine's part, after the runner executed a SchedulerOutput: for each scheduled seq,
 seq.num_computed_tokens += num_tokens, block_manager.commit(seq); when the sequence has no
 uncomputed tokens left, append the sampled token (or call finish()).
@@ -67,6 +71,7 @@ class Scheduler:
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 2048,
         enable_chunked_prefill: bool = True,
+        max_prompt_logits_rows: int | None = None,
     ):
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
@@ -76,6 +81,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
+        self.max_prompt_logits_rows = max_prompt_logits_rows  # None: no limit
         self.waiting: deque[Sequence] = deque()  # FCFS; preempted sequences go back to the front
         self.running: list[Sequence] = []  # sorted by seq_id (arrival order)
         self._unfinished: dict[int, Sequence] = {}
@@ -147,14 +153,18 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        logits_rows = self.max_prompt_logits_rows if self.enable_chunked_prefill else None
         bm = self.block_manager
+
+        def limit(seq: Sequence, n: int) -> int:  # n within the step's rows of prompt logits
+            return min(n, logits_rows) if logits_rows is not None and _scores_prompt(seq) else n
 
         # 1. running sequences, oldest first
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_uncomputed_tokens, budget)
-            if n <= 0:  # the engine has not appended its sampled token (nor finished it): nothing to run
+            n = limit(seq, min(seq.num_uncomputed_tokens, budget))
+            if n <= 0:  # its sampled token is not appended yet, or no prompt-logits rows are left this step
                 i += 1
                 continue
             while not bm.allocate(seq, n):
@@ -171,6 +181,8 @@ class Scheduler:
             else:
                 out.scheduled.append(ScheduledSeq(seq, n))
                 budget -= n
+                if logits_rows is not None and _scores_prompt(seq):
+                    logits_rows -= n
                 i += 1
 
         # 2. waiting sequences, first come first served
@@ -179,7 +191,9 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             remaining = seq.num_tokens - bm.num_cached_prefix_tokens(seq)
-            n = min(remaining, budget)
+            n = limit(seq, min(remaining, budget))
+            if n <= 0:
+                break  # no prompt-logits rows left this step; the queue waits behind its head
             if n < remaining and not self.enable_chunked_prefill:
                 if remaining <= self.max_num_batched_tokens:
                     break  # runs whole in a later step
@@ -206,6 +220,8 @@ class Scheduler:
             bisect.insort(self.running, seq, key=lambda s: s.seq_id)
             out.scheduled.append(ScheduledSeq(seq, n))
             budget -= n
+            if logits_rows is not None and _scores_prompt(seq):
+                logits_rows -= n
         return out
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
@@ -215,3 +231,8 @@ class Scheduler:
         self.waiting.appendleft(seq)
         out.preempted.append(seq)
         self.num_preemptions += 1
+
+
+def _scores_prompt(seq: Sequence) -> bool:
+    """seq's next chunk returns a row of logits per token: it asks for prompt logprobs and is in its prompt."""
+    return seq.params.prompt_logprobs is not None and seq.num_computed_tokens < seq.num_prompt_tokens
