@@ -133,6 +133,20 @@ def test_gguf_source_gives_the_same_file_as_hf_source(wide_models, tmp_path):
         np.testing.assert_array_equal(ta[name][1], tb[name][1], err_msg=name)
 
 
+def test_sharded_hf_source_gives_the_same_tensors(tmp_path):
+    """Tensors are read one at a time from whichever shard holds them: a sharded checkpoint quantizes
+    (calibration included) to the same tensors as the same weights in one file."""
+    whole = make_hf_model("qwen2", tmp_path / "whole")
+    sharded = make_hf_model("qwen2", tmp_path / "sharded", shard=True)
+    assert len(list(sharded.glob("*.safetensors"))) > 1
+    files = [quantize_model(hf, tmp_path / f"{hf.name}.gguf", "Q4_0", method="gptq", calib_text=CALIB_TEXT,
+                            progress=False).path for hf in (whole, sharded)]
+    a, b = ({t.name: np.array(t.data) for t in gguf.GGUFReader(f).tensors} for f in files)
+    assert a.keys() == b.keys()
+    for name in a:
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+
+
 def test_writer_checks_what_it_is_given(wide_models, tmp_path):
     source = HFModel(wide_models["llama"])
     specs = [TensorSpec("a.weight", (2, 32), gguf.GGMLQuantizationType.Q8_0),
