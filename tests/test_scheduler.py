@@ -117,6 +117,40 @@ def test_queue_head_is_not_overtaken():
     assert [s.status for s in (a, b, c)] == [SequenceStatus.RUNNING] * 3
 
 
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_a_burst_sharing_a_prompt_prefix_computes_it_once(prefix_caching):
+    """Requests arriving together with one 20-token system prompt (5 blocks of 4): the first computes it,
+    the others wait the one step until its blocks are cached and then compute only their own tokens.
+    Without prefix caching nobody waits. Outputs are those of each request alone."""
+    system = list(range(100, 120))
+    prompts = [system + [i, i + 1, i + 2] for i in range(6)]
+    alone = []
+    for i, prompt in enumerate(prompts):
+        single = FakeEngine(enable_prefix_caching=prefix_caching)
+        single.add(prompt, max_tokens=3, seq_id=i)
+        alone.append(single.run()[i])
+    eng = FakeEngine(enable_prefix_caching=prefix_caching)
+    for i, prompt in enumerate(prompts):
+        eng.add(prompt, max_tokens=3, seq_id=i)
+    outputs = eng.run()
+    assert [outputs[i] for i in range(6)] == alone
+    if prefix_caching:
+        assert eng.steps[0] == [(0, 23, True)]
+        assert eng.steps[1] == [(0, 1, True)] + [(i, 3, True) for i in range(1, 6)]  # 20 tokens from the cache
+        assert sum(n for step in eng.steps for _, n, _ in step) == 23 + 5 * 3 + 6 * 2
+    else:
+        assert eng.steps[0] == [(i, 23, True) for i in range(6)]
+
+
+def test_a_prefix_shared_with_a_decoding_sequence_is_not_waited_for():
+    eng = FakeEngine()
+    eng.add(list(range(100, 120)) + [1], max_tokens=4, seq_id=0)
+    eng.step()
+    eng.add(list(range(100, 120)) + [2], max_tokens=4, seq_id=1)  # seq 0's prompt blocks are cached
+    eng.step()
+    assert eng.steps[-1] == [(0, 1, True), (1, 1, True)]
+
+
 def test_limits_respected_on_a_random_workload():
     rng = random.Random(0)
     eng = FakeEngine(num_blocks=200, max_num_seqs=4, max_num_batched_tokens=16)

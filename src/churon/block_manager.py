@@ -117,6 +117,19 @@ class BlockManager:
         """
         return len(self._prefix_hits(seq)) * self.block_size
 
+    def num_shared_prefix_tokens(self, seq: Sequence, other: Sequence) -> int:
+        """Leading tokens of seq, in full blocks it could take from the cache (the same rule as
+        num_cached_prefix_tokens), that are other's tokens too: what seq would find cached once other
+        has computed them. 0 without prefix caching or when seq asks for prompt logprobs."""
+        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
+            return 0
+        n = min((seq.num_tokens - 1) // self.block_size, other.num_tokens // self.block_size)
+        mine, theirs = self._block_hashes(seq, n), self._block_hashes(other, n)
+        shared = 0
+        while shared < n and mine[shared] == theirs[shared]:  # chained: equal hashes, equal prefixes
+            shared += 1
+        return shared * self.block_size
+
     def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Whether allocate(seq, num_new_tokens) would succeed; changes nothing."""
         hits = self._prefix_hits(seq)

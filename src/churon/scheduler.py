@@ -10,7 +10,9 @@ Each step (as vLLM v1 does it):
 2. If nothing was preempted, WAITING sequences are admitted first come, first served while
    the budget, max_num_seqs and free blocks allow. With chunked prefill a prompt longer
    than the budget left is split; without it a prompt runs whole or waits. The queue head
-   blocks the queue: nobody overtakes it.
+   blocks the queue: nobody overtakes it. A head whose prompt shares full blocks with a prompt
+   still being computed by a running sequence waits for them to be cached (a burst of requests
+   with one system prompt computes it once, not once per request admitted in the same step).
 
 A sequence that asks for prompt logprobs returns a row of logits for every prompt token it runs
 (vocabulary-wide: 2048 rows of a 152k vocabulary are 1.2 GB); with chunked prefill, all such
@@ -190,7 +192,10 @@ class Scheduler:
             return out
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            remaining = seq.num_tokens - bm.num_cached_prefix_tokens(seq)
+            cached = bm.num_cached_prefix_tokens(seq)
+            if self._prefix_in_progress(seq, cached):
+                break
+            remaining = seq.num_tokens - cached
             n = limit(seq, min(remaining, budget))
             if n <= 0:
                 break  # no prompt-logits rows left this step; the queue waits behind its head
@@ -223,6 +228,15 @@ class Scheduler:
             if logits_rows is not None and _scores_prompt(seq):
                 logits_rows -= n
         return out
+
+    def _prefix_in_progress(self, seq: Sequence, cached: int) -> bool:
+        """A running sequence has yet to compute prompt blocks that seq shares beyond its `cached` tokens."""
+        for other in self.running:
+            if other.num_computed_tokens < other.num_prompt_tokens:  # still in its prompt
+                shared = self.block_manager.num_shared_prefix_tokens(seq, other)
+                if shared > cached and other.num_computed_tokens < shared:
+                    return True
+        return False
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
