@@ -43,12 +43,8 @@ def dq(raw, qtype, shape):
     return dequantize(raw, quant_type(qtype), shape)
 
 
-def test_stats_match_the_inputs_of_a_reference_forward(llama_dir, llama_stats):
-    """sum x^2, sum |x| and sum x x^T of the inputs transformers' modules receive, window by window."""
-    model = reference_model(llama_dir)
-    layer = model.model.layers[1]
-    modules = {"blk.1.attn_q.weight": layer.self_attn.q_proj, "blk.1.attn_output.weight": layer.self_attn.o_proj,
-               "blk.1.ffn_up.weight": layer.mlp.up_proj, "blk.1.ffn_down.weight": layer.mlp.down_proj}
+def reference_inputs(model, modules: dict) -> dict[str, torch.Tensor]:
+    """name -> the input rows (float64, all WINDOWS in order) transformers' module receives in model's forward."""
     seen = {name: [] for name in modules}
     hooks = [m.register_forward_pre_hook(lambda _, args, name=name: seen[name].append(args[0][0].clone()))
              for name, m in modules.items()]
@@ -57,8 +53,16 @@ def test_stats_match_the_inputs_of_a_reference_forward(llama_dir, llama_stats):
             model(torch.tensor([window]))
     for h in hooks:
         h.remove()
-    for name, inputs in seen.items():
-        x = torch.cat(inputs).double()
+    return {name: torch.cat(inputs).double() for name, inputs in seen.items()}
+
+
+def test_stats_match_the_inputs_of_a_reference_forward(llama_dir, llama_stats):
+    """sum x^2, sum |x| and sum x x^T of the inputs transformers' modules receive, window by window."""
+    model = reference_model(llama_dir)
+    layer = model.model.layers[1]
+    modules = {"blk.1.attn_q.weight": layer.self_attn.q_proj, "blk.1.attn_output.weight": layer.self_attn.o_proj,
+               "blk.1.ffn_up.weight": layer.mlp.up_proj, "blk.1.ffn_down.weight": layer.mlp.down_proj}
+    for name, x in reference_inputs(model, modules).items():
         s = llama_stats[name]
         assert s.count == sum(len(w) for w in WINDOWS) == x.shape[0]
         torch.testing.assert_close(s.sum_sq, x.square().sum(0), rtol=1e-4, atol=1e-6)
@@ -84,17 +88,8 @@ def test_layerwise_stats_match_a_reference_forward_at_every_layer(tmp_path, arch
         modules |= {f"blk.{i}.attn_q.weight": layer.self_attn.q_proj, f"blk.{i}.attn_output.weight": layer.self_attn.o_proj,
                     f"blk.{i}.ffn_up.weight": layer.mlp.up_proj, f"blk.{i}.ffn_down.weight": layer.mlp.down_proj}
     modules["token_embd.weight" if arch != "qwen3" else "output.weight"] = model.lm_head
-    seen = {name: [] for name in modules}
-    hooks = [m.register_forward_pre_hook(lambda _, args, name=name: seen[name].append(args[0][0].clone()))
-             for name, m in modules.items()]
-    with torch.no_grad():
-        for window in WINDOWS:
-            model(torch.tensor([window]))
-    for h in hooks:
-        h.remove()
     assert len(stats) == 7 * source.config.num_layers + 1
-    for name, inputs in seen.items():
-        x = torch.cat(inputs).double()
+    for name, x in reference_inputs(model, modules).items():
         assert stats[name].count == x.shape[0], name
         torch.testing.assert_close(stats[name].sum_sq, x.square().sum(0), rtol=1e-4, atol=1e-6, msg=name)
         torch.testing.assert_close(stats[name].hessian, x.T @ x, rtol=1e-4, atol=1e-5, msg=name)
