@@ -13,3 +13,19 @@ def smollm2_gguf():
     from churon.registry import resolve_model
 
     return resolve_model("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory):
+    """A tiny random llama as a Hugging Face directory (tests that modify it work on a copy)."""
+    from tiny_models import make_hf_model
+
+    return make_hf_model("llama", tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_q8(tiny_llama_dir, tmp_path_factory):
+    """tiny_llama_dir converted to a Q8_0 GGUF."""
+    from tiny_models import write_gguf
+
+    return write_gguf(tiny_llama_dir, tmp_path_factory.mktemp("tiny-llama-gguf") / "tiny.gguf", "Q8_0")

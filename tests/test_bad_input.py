@@ -11,17 +11,6 @@ import pytest
 from churon import LLM, ChuronError, ContextLengthError, ModelFileError, SamplingParams, UnsupportedModelError
 from churon.config import EngineConfig
 from churon.loader import load_model
-from tiny_models import make_hf_model, write_gguf
-
-
-@pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory):
-    return make_hf_model("llama", tmp_path_factory.mktemp("llama"))
-
-
-@pytest.fixture(scope="module")
-def good_gguf(hf_dir, tmp_path_factory):
-    return write_gguf(hf_dir, tmp_path_factory.mktemp("gguf") / "good.gguf", "Q8_0")
 
 
 def rewrite_gguf(src, dst, arch=None, drop=(), replace=None):
@@ -66,48 +55,48 @@ def test_not_a_gguf_file(tmp_path):
 
 
 @pytest.mark.parametrize("fraction", [0.02, 0.5, 0.99])
-def test_truncated_gguf(good_gguf, tmp_path, fraction):
-    data = good_gguf.read_bytes()
+def test_truncated_gguf(tiny_llama_q8, tmp_path, fraction):
+    data = tiny_llama_q8.read_bytes()
     path = tmp_path / "truncated.gguf"
     path.write_bytes(data[: int(len(data) * fraction)])
     with pytest.raises(ModelFileError, match=r"truncated\.gguf.*(truncated|malformed)"):
         load_model(path)
 
 
-def test_unsupported_quant_type(good_gguf, tmp_path):
+def test_unsupported_quant_type(tiny_llama_q8, tmp_path):
     # IQ4_NL: blocks of 32 weights in 18 bytes, a type churon does not read; ffn_up is [128, 64]
     raw = np.zeros((128, 64 // 32 * 18), dtype=np.uint8)
     iq4 = gguf.GGMLQuantizationType.IQ4_NL
-    path = rewrite_gguf(good_gguf, tmp_path / "iq4.gguf", replace={"blk.1.ffn_up.weight": (raw, iq4)})
+    path = rewrite_gguf(tiny_llama_q8, tmp_path / "iq4.gguf", replace={"blk.1.ffn_up.weight": (raw, iq4)})
     with pytest.raises(UnsupportedModelError, match=r"iq4\.gguf.*blk\.1\.ffn_up\.weight.*IQ4_NL"):
         load_model(path)
 
 
-def test_missing_tensor(good_gguf, tmp_path):
-    path = rewrite_gguf(good_gguf, tmp_path / "missing.gguf", drop={"blk.1.ffn_down.weight"})
+def test_missing_tensor(tiny_llama_q8, tmp_path):
+    path = rewrite_gguf(tiny_llama_q8, tmp_path / "missing.gguf", drop={"blk.1.ffn_down.weight"})
     with pytest.raises(ModelFileError, match=r"missing\.gguf.*blk\.1\.ffn_down\.weight.*missing"):
         load_model(path)
 
 
-def test_tensor_of_the_wrong_shape(good_gguf, tmp_path):
+def test_tensor_of_the_wrong_shape(tiny_llama_q8, tmp_path):
     wrong = np.zeros((3, 64), dtype=np.float32)
-    path = rewrite_gguf(good_gguf, tmp_path / "shape.gguf", replace={"blk.0.attn_v.weight": (wrong, None)})
+    path = rewrite_gguf(tiny_llama_q8, tmp_path / "shape.gguf", replace={"blk.0.attn_v.weight": (wrong, None)})
     with pytest.raises(ModelFileError, match=r"blk\.0\.attn_v\.weight.*shape \[3, 64\].*expected \[32, 64\]"):
         load_model(path)
 
 
-def test_unknown_architecture(good_gguf, tmp_path):
-    path = rewrite_gguf(good_gguf, tmp_path / "mamba.gguf", arch="mamba")
+def test_unknown_architecture(tiny_llama_q8, tmp_path):
+    path = rewrite_gguf(tiny_llama_q8, tmp_path / "mamba.gguf", arch="mamba")
     with pytest.raises(UnsupportedModelError, match=r"'mamba'.*supported: llama, qwen2, qwen3"):
         load_model(path)
 
 
-def test_unknown_architecture_in_hf_config(hf_dir, tmp_path):
+def test_unknown_architecture_in_hf_config(tiny_llama_dir, tmp_path):
     import json
     import shutil
 
     bad = tmp_path / "bad"
-    shutil.copytree(hf_dir, bad)
+    shutil.copytree(tiny_llama_dir, bad)
     cfg = json.loads((bad / "config.json").read_text())
     cfg["model_type"] = "gpt_neox"
     (bad / "config.json").write_text(json.dumps(cfg))
@@ -115,21 +104,21 @@ def test_unknown_architecture_in_hf_config(hf_dir, tmp_path):
         load_model(bad)
 
 
-def test_malformed_config_json(hf_dir, tmp_path):
+def test_malformed_config_json(tiny_llama_dir, tmp_path):
     import shutil
 
     bad = tmp_path / "bad"
-    shutil.copytree(hf_dir, bad)
+    shutil.copytree(tiny_llama_dir, bad)
     (bad / "config.json").write_text("{not json")
     with pytest.raises(ModelFileError, match=r"config\.json.*not valid JSON"):
         load_model(bad)
 
 
-def test_truncated_safetensors(hf_dir, tmp_path):
+def test_truncated_safetensors(tiny_llama_dir, tmp_path):
     import shutil
 
     bad = tmp_path / "bad"
-    shutil.copytree(hf_dir, bad)
+    shutil.copytree(tiny_llama_dir, bad)
     st = bad / "model.safetensors"
     st.write_bytes(st.read_bytes()[:-1000])
     with pytest.raises(ModelFileError, match=r"model\.safetensors"):
@@ -137,8 +126,8 @@ def test_truncated_safetensors(hf_dir, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def llm(good_gguf):
-    return LLM(good_gguf, threads=1)
+def llm(tiny_llama_q8):
+    return LLM(tiny_llama_q8, threads=1)
 
 
 def test_prompt_longer_than_the_context(llm):
@@ -159,10 +148,10 @@ def test_bad_prompt_ids(llm, prompt, match):
         llm.generate([prompt])
 
 
-def test_invalid_sampling_parameters_through_the_cli(good_gguf):
+def test_invalid_sampling_parameters_through_the_cli(tiny_llama_q8):
     for flag, value in [("--temperature", "-1"), ("--top-p", "1.5"), ("--max-tokens", "0")]:
         result = subprocess.run(
-            [sys.executable, "-m", "churon.cli", "run", str(good_gguf), "hi", flag, value],
+            [sys.executable, "-m", "churon.cli", "run", str(tiny_llama_q8), "hi", flag, value],
             capture_output=True,
             text=True,
         )

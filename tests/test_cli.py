@@ -12,17 +12,6 @@ import pytest
 
 from churon import LLM, SamplingParams
 from churon.registry import PullError, _extract_verified
-from tiny_models import make_hf_model, write_gguf
-
-
-@pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory):
-    return make_hf_model("llama", tmp_path_factory.mktemp("llama"))
-
-
-@pytest.fixture(scope="module")
-def model(hf_dir, tmp_path_factory):
-    return write_gguf(hf_dir, tmp_path_factory.mktemp("gguf") / "tiny.gguf", "Q8_0")
 
 
 def churon(*args, stdin=None, env=None):
@@ -38,37 +27,40 @@ def churon(*args, stdin=None, env=None):
     return result
 
 
-def test_run_raw_prints_the_greedy_completion(model):
-    result = churon("run", model, "The quick brown fox", "--raw", "--temperature", "0", "--max-tokens", "12", "--threads", "1")
+def test_run_raw_prints_the_greedy_completion(tiny_llama_q8):
+    result = churon("run", tiny_llama_q8, "The quick brown fox", "--raw", "--temperature", "0", "--max-tokens", "12",
+                    "--threads", "1")
     assert result.returncode == 0, result.stderr
-    expected = LLM(model, threads=1).generate(["The quick brown fox"], SamplingParams(temperature=0, max_tokens=12))[0]
+    llm = LLM(tiny_llama_q8, threads=1)
+    expected = llm.generate(["The quick brown fox"], SamplingParams(temperature=0, max_tokens=12))[0]
     assert result.stdout == expected.text + "\n"
 
 
-def test_run_reads_the_prompt_from_stdin_and_applies_the_chat_template(model):
-    args = ["run", model, "--temperature", "0", "--max-tokens", "8", "--system", "Be brief."]
+def test_run_reads_the_prompt_from_stdin_and_applies_the_chat_template(tiny_llama_q8):
+    args = ["run", tiny_llama_q8, "--temperature", "0", "--max-tokens", "8", "--system", "Be brief."]
     result = churon(*args, stdin="hello there")
     assert result.returncode == 0, result.stderr
-    llm = LLM(model, threads=1)
+    llm = LLM(tiny_llama_q8, threads=1)
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello there"}]
     assert result.stdout == llm.chat(messages, SamplingParams(temperature=0, max_tokens=8)).text + "\n"
 
 
-def test_run_seed_reproduces_and_verbose_reports_speed(model):
-    args = ["run", model, "Once", "--raw", "--temperature", "1.0", "--seed", "5", "--max-tokens", "10", "--verbose"]
+def test_run_seed_reproduces_and_verbose_reports_speed(tiny_llama_q8):
+    args = ["run", tiny_llama_q8, "Once", "--raw", "--temperature", "1.0", "--seed", "5", "--max-tokens", "10",
+            "--verbose"]
     a, b = churon(*args), churon(*args)
     assert a.returncode == 0 and a.stdout == b.stdout
     for field in ("prompt:", "decode:", "tokens/s", "time to first token"):
         assert field in a.stderr
 
 
-def test_run_without_a_prompt_is_an_error(model):
-    result = churon("run", model)
+def test_run_without_a_prompt_is_an_error(tiny_llama_q8):
+    result = churon("run", tiny_llama_q8)
     assert result.returncode == 1 and "no prompt" in result.stderr
 
 
-def test_inspect_reports_structure_and_memory(model):
-    result = churon("inspect", model, "--tensors", "--kv-dtype", "f32")
+def test_inspect_reports_structure_and_memory(tiny_llama_q8):
+    result = churon("inspect", tiny_llama_q8, "--tensors", "--kv-dtype", "f32")
     assert result.returncode == 0, result.stderr
     out = result.stdout
     for line in ["architecture       llama", "layers             2", "hidden size        64", "attention heads    4",
@@ -79,21 +71,21 @@ def test_inspect_reports_structure_and_memory(model):
     # 32k context x 32 sequences x 512 bytes = 512 MiB
     assert "512.0 MiB" in out
     # int8: 16 one-byte values and a 4-byte scale per head
-    result = churon("inspect", model, "--kv-dtype", "i8")
+    result = churon("inspect", tiny_llama_q8, "--kv-dtype", "i8")
     assert "160 bytes (2 x 2 layers x 2 KV heads x (16 head dim x 1 bytes + a 4-byte scale))" in result.stdout
 
 
-def test_inspect_a_hugging_face_directory(hf_dir):
-    result = churon("inspect", hf_dir, "--kv-dtype", "bf16")
+def test_inspect_a_hugging_face_directory(tiny_llama_dir):
+    result = churon("inspect", tiny_llama_dir, "--kv-dtype", "bf16")
     assert result.returncode == 0, result.stderr
     assert "format             hf" in result.stdout and "256 bytes" in result.stdout
 
 
-def test_list_shows_cached_models(model, hf_dir, tmp_path):
+def test_list_shows_cached_models(tiny_llama_q8, tiny_llama_dir, tmp_path):
     home = tmp_path / "home"
     (home / "models").mkdir(parents=True)
-    shutil.copy(model, home / "models" / "tiny.gguf")
-    shutil.copytree(hf_dir, home / "models" / "tiny-hf")
+    shutil.copy(tiny_llama_q8, home / "models" / "tiny.gguf")
+    shutil.copytree(tiny_llama_dir, home / "models" / "tiny-hf")
     result = churon("list", env={"CHURON_HOME": str(home)})
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
@@ -101,14 +93,15 @@ def test_list_shows_cached_models(model, hf_dir, tmp_path):
     assert any(line.startswith("tiny-hf") and "llama" in line and "F32" in line for line in lines), result.stdout
 
 
-def test_chat_keeps_history_and_resets(model):
-    result = churon("chat", model, "--temperature", "0", "--max-tokens", "5", stdin="hi\nhow are you\n/reset\nhi\n/exit\n")
+def test_chat_keeps_history_and_resets(tiny_llama_q8):
+    result = churon("chat", tiny_llama_q8, "--temperature", "0", "--max-tokens", "5",
+                    stdin="hi\nhow are you\n/reset\nhi\n/exit\n")
     assert result.returncode == 0, result.stderr
     # input() writes its ">>> " prompt to stdout before each line read, /reset's included
     answers = [a.removesuffix("\n") for a in result.stdout.split(">>> ") if a]
     # three answers; the third (after /reset) repeats the first: same single-message conversation
     assert len(answers) == 3
-    llm, params = LLM(model, threads=1), SamplingParams(temperature=0, max_tokens=5)
+    llm, params = LLM(tiny_llama_q8, threads=1), SamplingParams(temperature=0, max_tokens=5)
     first = llm.chat([{"role": "user", "content": "hi"}], params).text
     history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": first}]
     second = llm.chat(history + [{"role": "user", "content": "how are you"}], params).text
@@ -138,7 +131,7 @@ def test_pull_rejects_a_file_whose_sha256_differs(tmp_path):
     assert not target.exists() and not list(tmp_path.glob("out.gguf*"))
 
 
-def test_ctrl_c_stops_an_answer_but_not_the_chat(model, monkeypatch, capsys):
+def test_ctrl_c_stops_an_answer_but_not_the_chat(tiny_llama_q8, monkeypatch, capsys):
     from churon import cli
     from churon.llm import LLM as RealLLM
 
@@ -155,7 +148,7 @@ def test_ctrl_c_stops_an_answer_but_not_the_chat(model, monkeypatch, capsys):
             yield delta
 
     monkeypatch.setattr(RealLLM, "stream_deltas", interrupted_once)
-    assert cli.main(["chat", str(model), "--temperature", "0", "--max-tokens", "6", "--threads", "1"]) == 0
+    assert cli.main(["chat", str(tiny_llama_q8), "--temperature", "0", "--max-tokens", "6", "--threads", "1"]) == 0
     captured = capsys.readouterr()
     assert "(stopped)" in captured.err
     assert len(calls) == 2  # the session went on to answer the second question
