@@ -5,7 +5,7 @@ import asyncio
 import pytest
 
 from churon import SamplingParams
-from churon.async_engine import AsyncLLMEngine
+from churon.engine.async_engine import AsyncLLMEngine
 from churon.config import EngineConfig
 from churon.engine import LLMEngine
 from churon.errors import ContextLengthError
@@ -62,7 +62,7 @@ def test_a_consumer_that_stops_listening_aborts_its_request(engines):
 
     asyncio.run(main())
     stats = async_engine.stats()
-    assert stats["running"] == 0 and stats["waiting"] == 0 and stats["kv_cache_usage"] == 0
+    assert stats.running == 0 and stats.waiting == 0 and stats.kv_cache_usage == 0
 
 
 def test_an_abort_during_a_step_is_applied_when_the_step_ends(engines):
@@ -76,13 +76,13 @@ def test_an_abort_during_a_step_is_applied_when_the_step_ends(engines):
             assert async_engine.engine.has_unfinished()  # not applied yet
         for _ in range(100):  # the engine thread applies it before its next step
             await asyncio.sleep(0.01)
-            if async_engine.stats()["running"] == 0:
+            if async_engine.stats().running == 0:
                 break
         await stream.aclose()
 
     asyncio.run(main())
     stats = async_engine.stats()
-    assert stats["running"] == 0 and stats["waiting"] == 0 and stats["kv_cache_usage"] == 0
+    assert stats.running == 0 and stats.waiting == 0 and stats.kv_cache_usage == 0
 
 
 def test_bad_requests_raise_in_the_caller_and_the_engine_keeps_serving(engines):

@@ -7,8 +7,8 @@ from collections import Counter
 
 import pytest
 
-from churon.block_manager import BlockManager, hash_block
-from churon.sequence import Sequence
+from churon.engine.block_manager import BlockManager, hash_block
+from churon.engine.sequence import Sequence
 
 
 def check_invariants(bm: BlockManager, seqs) -> None:
@@ -43,12 +43,6 @@ def check_invariants(bm: BlockManager, seqs) -> None:
             owners[b] = (s, i)
 
 
-def computed(bm: BlockManager, seq: Sequence, n: int) -> None:
-    """What the engine does after a step that ran n tokens of seq."""
-    seq.num_computed_tokens += n
-    bm.commit(seq)
-
-
 def test_allocate_and_free():
     bm = BlockManager(10, block_size=4)
     seq = Sequence(range(10))
@@ -68,13 +62,13 @@ def test_block_table_grows_with_tokens():
     bm = BlockManager(10, block_size=4)
     seq = Sequence([1, 2, 3, 4])
     assert bm.allocate(seq, 4)
-    computed(bm, seq, 4)
+    bm.commit(seq, 4)
     assert len(seq.block_table) == 1
     for n in range(5, 14):  # decode: one token a step
         seq.append_token(n)
         assert bm.allocate(seq, 1)
         assert len(seq.block_table) == bm.num_blocks_for(n)
-        computed(bm, seq, 1)
+        bm.commit(seq, 1)
         check_invariants(bm, [seq])
     assert len(seq.block_table) == 4 and bm.num_free_blocks == 6
     # full committed blocks are in the prefix cache, the partial last one is not
@@ -95,7 +89,7 @@ def test_prefix_sharing():
     bm = BlockManager(10, block_size=4)
     a = Sequence(list(range(10)))
     assert bm.allocate(a, 10)
-    computed(bm, a, 10)
+    bm.commit(a, 10)
     assert (bm.num_hit_blocks, bm.num_miss_blocks) == (0, 2)
     b = Sequence(list(range(8)) + [100, 101, 102])
     assert bm.num_cached_prefix_tokens(b) == 8
@@ -121,7 +115,7 @@ def test_no_sharing_without_prefix_caching():
     bm = BlockManager(10, block_size=4, enable_prefix_caching=False)
     a, b = Sequence(range(9)), Sequence(range(9))
     assert bm.allocate(a, 9)
-    computed(bm, a, 9)
+    bm.commit(a, 9)
     assert bm.num_cached_prefix_tokens(b) == 0
     assert bm.allocate(b, 9)
     assert not set(a.block_table) & set(b.block_table)
@@ -133,13 +127,13 @@ def test_full_hit_leaves_one_token_to_compute():
     bm = BlockManager(10, block_size=4)
     a = Sequence(range(8))  # exactly two full blocks
     assert bm.allocate(a, 8)
-    computed(bm, a, 8)
+    bm.commit(a, 8)
     b = Sequence(range(8))  # all cached: the last block is recomputed into a fresh one
     assert bm.num_cached_prefix_tokens(b) == 4
     assert bm.allocate(b, 4)
     assert b.num_computed_tokens == 4 and b.num_uncomputed_tokens == 4
     assert b.block_table[0] == a.block_table[0] and b.block_table[1] != a.block_table[1]
-    computed(bm, b, 4)  # b's copy of the second block duplicates a's: a's stays the cached one
+    bm.commit(b, 4)  # b's copy of the second block duplicates a's: a's stays the cached one
     assert bm.hash_to_block[bm.blocks[b.block_table[1]].hash] == a.block_table[1]
     check_invariants(bm, [a, b])
     c = Sequence(range(9))  # one token past the cached blocks: both shared
@@ -159,7 +153,7 @@ def test_full_hit_leaves_one_token_to_compute():
 def _cache_one_block(bm: BlockManager, tokens) -> tuple[Sequence, int]:
     seq = Sequence(tokens)
     assert bm.allocate(seq, len(tokens))
-    computed(bm, seq, len(tokens))
+    bm.commit(seq, len(tokens))
     block = seq.block_table[0]
     bm.free(seq)
     return seq, block
@@ -199,7 +193,7 @@ def test_a_sequence_tail_is_evicted_before_its_prefix():
     bm = BlockManager(4, block_size=2)
     seq = Sequence([1, 2, 3, 4, 5, 6, 7])  # three full blocks + one token
     assert bm.allocate(seq, 7)
-    computed(bm, seq, 7)
+    bm.commit(seq, 7)
     table = list(seq.block_table)
     bm.free(seq)
     assert list(bm._evictable) == [table[2], table[1], table[0]]
@@ -213,7 +207,7 @@ def test_blocks_in_use_are_never_evicted():
     bm = BlockManager(3, block_size=2)
     a = Sequence([1, 2, 3])
     assert bm.allocate(a, 3)
-    computed(bm, a, 3)
+    bm.commit(a, 3)
     b = Sequence([1, 2, 5, 6])  # shares a's first block
     assert bm.allocate(b, 2)
     assert b.block_table[0] == a.block_table[0]
@@ -239,7 +233,7 @@ def test_allocation_failure_changes_nothing():
     bm = BlockManager(4, block_size=4)
     a = Sequence(range(9))
     assert bm.allocate(a, 9)
-    computed(bm, a, 9)
+    bm.commit(a, 9)
     bm.free(a)  # two cached blocks evictable, two never used
     holder = Sequence([50] * 5)
     assert bm.allocate(holder, 5)  # takes the two never-used blocks
@@ -265,7 +259,7 @@ def test_reset_prefix_cache():
     bm = BlockManager(4, block_size=2)
     a = Sequence([1, 2, 3])
     assert bm.allocate(a, 3)
-    computed(bm, a, 3)
+    bm.commit(a, 3)
     assert not bm.reset_prefix_cache()  # a holds blocks
     bm.free(a)
     assert bm.reset_prefix_cache()
@@ -332,7 +326,7 @@ def test_random_operations_keep_invariants_and_contents(seed, prefix_caching):
                 assert bm.blocks[block].ref_count == 1, "writing into a shared block"
                 assert bm.blocks[block].hash is None, "writing into a cached block"
                 kv[block * bs + t % bs] = tuple(seq.token_ids[: t + 1])
-            computed(bm, seq, n)
+            bm.commit(seq, n)
         else:
             seq = live.pop(rng.randrange(len(live)))
             bm.free(seq)

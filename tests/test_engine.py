@@ -11,8 +11,8 @@ from churon.config import EngineConfig
 from churon.engine import LLMEngine
 from churon.errors import ContextLengthError
 from churon.loader import load_model
-from churon.kv_cache import kv_bytes_per_token
-from churon.memory import MemoryPlanError, plan_memory, what_fits
+from churon.engine.kv_cache import kv_bytes_per_token
+from churon.engine.memory import MemoryPlanError, plan_memory, what_fits
 from tiny_models import make_hf_model, write_gguf
 
 

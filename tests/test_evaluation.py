@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from churon.engine.kv_cache import SequenceKVCache
 from churon.evaluation import (
     ComparisonAccumulator,
     compare,
@@ -162,7 +163,7 @@ def test_window_logits_match_token_by_token_decode_and_start_from_an_empty_cache
     window = [3, 14, 15, 9, 26, 5, 35, 8, 9, 7, 9, 3]
     logits = window_logits(model, window)
     assert logits.shape == (len(window), 50) and logits.dtype == torch.float32
-    cache = model.new_cache(len(window))
+    cache = SequenceKVCache.for_model(model, len(window))
     stepwise = torch.cat([model(torch.tensor([t]), i, cache) for i, t in enumerate(window)])
     assert torch.allclose(logits, stepwise, atol=1e-4, rtol=1e-4)
     assert torch.equal(window_logits(model, window), logits)  # no state carried between calls

@@ -1,13 +1,13 @@
-"""Native CPU kernels (churon._cpu) against their references in churon.kernels.reference.
+"""Native CPU kernels (churon._cpu) against their references in churon.kernels.ground_truth.
 
 Every test runs once per ISA the machine supports (forced with set_isa, restored after).
 
 Tolerances, and why:
   * dequantize, dequantize_rows, rope: none. Same float32 operations in the same order as the
-    reference (ggml's dequantization order; x*cos - x2*sin), so the results are bitwise equal.
+    ground truth (ggml's dequantization order; x*cos - x2*sin), so the results are bitwise equal.
   * quantized matmul, tight check: the kernels quantize activations to 8 bits per 32 values
-    exactly as reference.quantize_activations does (bitwise), then take integer dot products;
-    the only differences from reference.qmatmul_q8 (float64) are float32 roundings of the
+    exactly as ground_truth.quantize_activations does (bitwise), then take integer dot products;
+    the only differences from ground_truth.qmatmul_q8 (float64) are float32 roundings of the
     per-block scale products and of the accumulation over cols / 32 blocks. Bound:
     TIGHT_RTOL * max_i |W[r, i]| * sum_i |xq_i| per output (the scale/min terms of a block are
     at most ~3 max|W| in size, each rounding is 2^-24 relative, a few hundred blocks at most).
@@ -35,8 +35,8 @@ from gguf import GGMLQuantizationType as T
 
 from churon import kernels
 from churon.formats.quants import dequantize
-from churon.kernels import reference as ref
-from churon.kv_cache import quantize_int8
+from churon.kernels import ground_truth as truth
+from churon.engine.kv_cache import quantize_int8
 
 pytestmark = pytest.mark.skipif(not kernels.native_available(), reason=kernels.reason or "no native kernels")
 
@@ -54,7 +54,7 @@ def rng_for(*key) -> np.random.Generator:
 
 
 def weight_bytes(qtype: T, rows: int, cols: int, seed: int = 0) -> np.ndarray:
-    return ref.random_weight_bytes(qtype, rows, cols, rng_for("weight", qtype.name, rows, cols, seed))
+    return truth.random_weight_bytes(qtype, rows, cols, rng_for("weight", qtype.name, rows, cols, seed))
 
 
 def cols_for(qtype: T, k: int = 2) -> int:
@@ -187,10 +187,10 @@ def test_real_gguf_quantized_data(isa):
 
 def test_quantize_activations_reference():
     x = activations(5, 96)
-    q, d = ref.quantize_activations(x)
+    q, d = truth.quantize_activations(x)
     assert q.dtype == torch.int8 and d.shape == (5, 3)
     assert int(q.abs().max()) <= 127
-    err = (x.double() - ref.dequantize_activations(q, d)).abs().reshape(5, 3, 32)
+    err = (x.double() - truth.dequantize_activations(q, d)).abs().reshape(5, 3, 32)
     assert bool((err <= d.double().unsqueeze(-1) * 0.5 * (1 + 1e-6)).all())
     assert bool((q[2, :64] == 0).all()) and bool((d[2, :2] == 0).all())
 
@@ -201,8 +201,8 @@ def test_quantize_activations_reference():
 
 def check_quant_matmul(qtype: T, raw: np.ndarray, rows: int, cols: int, x: torch.Tensor, y: torch.Tensor) -> None:
     w = dequantize(raw, qtype, (rows, cols)).double()
-    xq, d = ref.quantize_activations(x)
-    xhat = ref.dequantize_activations(xq, d)
+    xq, d = truth.quantize_activations(x)
+    xhat = truth.dequantize_activations(xq, d)
     want_q8 = xhat @ w.T
     tight = TIGHT_RTOL * w.abs().amax(1).unsqueeze(0) * xhat.abs().sum(1, keepdim=True) + 1e-30
     err = (y.double() - want_q8).abs()
@@ -249,8 +249,8 @@ def test_matmul_precise(isa, qtype, threads):
     y = torch.empty(m, rows)
     q.matmul(x.data_ptr(), y.data_ptr(), m, bias.data_ptr(), True)
     w = dequantize(raw, qtype, (rows, cols)).double()
-    hi, lo = ref.split_activations(x)
-    lo_hat = ref.dequantize_activations(*ref.quantize_activations(lo))
+    hi, lo = truth.split_activations(x)
+    lo_hat = truth.dequantize_activations(*truth.quantize_activations(lo))
     xhat = hi.double() + lo_hat
     tight = TIGHT_RTOL * w.abs().amax(1).unsqueeze(0) * xhat.abs().sum(1, keepdim=True)
     want = x.double() @ w.T + bias.double()
@@ -321,7 +321,7 @@ def test_rms_norm(isa, threads):
         w = torch.randn(n)
         out = torch.empty(m, n)
         cpu.rms_norm(x.data_ptr(), w.data_ptr(), out.data_ptr(), m, n, 1e-5)
-        want = ref.rms_norm(x.double(), w.double(), 1e-5)
+        want = truth.rms_norm(x.double(), w.double(), 1e-5)
         tol = 1e-5 * (w.double().abs() * (x.double().abs() / x.double().pow(2).mean(-1, keepdim=True).sqrt()))
         assert bool(((out.double() - want).abs() <= tol + 1e-30).all())
         threads(1)
@@ -339,7 +339,7 @@ def test_add_rms_norm(isa):
     residual = activations(m, n)
     x = activations(m, n, seed=1)
     w = torch.randn(n)
-    want_res, want = ref.add_rms_norm(residual.clone(), x, w, 1e-6)
+    want_res, want = truth.add_rms_norm(residual.clone(), x, w, 1e-6)
     res = residual.clone()
     out = torch.empty(m, n)
     cpu.add_rms_norm(res.data_ptr(), x.data_ptr(), w.data_ptr(), out.data_ptr(), m, n, 1e-6)
@@ -363,8 +363,8 @@ def test_rope_bitwise(isa):
     m = len(positions)
     # q and k in place inside a fused qkv row: 9 q heads, 3 k heads, 3 v heads (row stride 960)
     qkv = activations(m, 960)
-    want_q = ref.rope(qkv[:, :576].reshape(m, 9, 64), positions, cos, sin)
-    want_k = ref.rope(qkv[:, 576:768].reshape(m, 3, 64), positions, cos, sin)
+    want_q = truth.rope(qkv[:, :576].reshape(m, 9, 64), positions, cos, sin)
+    want_k = truth.rope(qkv[:, 576:768].reshape(m, 3, 64), positions, cos, sin)
     v = qkv[:, 768:].clone()
     got = qkv.clone()
     cpu.rope(got.data_ptr(), m, 9, 64, positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), 960)
@@ -376,7 +376,7 @@ def test_rope_bitwise(isa):
     cos2, sin2 = rope_tables(64, 18)
     x = activations(60, 40 * 18).reshape(60, 40, 18)
     pos = torch.arange(60, dtype=torch.int64)
-    want = ref.rope(x, pos, cos2, sin2)
+    want = truth.rope(x, pos, cos2, sin2)
     cpu.rope(x.data_ptr(), 60, 40, 18, pos.data_ptr(), cos2.data_ptr(), sin2.data_ptr())
     assert torch.equal(x, want)
 
@@ -389,7 +389,7 @@ def test_rope_and_cache_bitwise(isa, threads):
     slots = torch.tensor([7, 8, -1, 30, 0], dtype=torch.int64)  # -1: a padding token, not written
     k_cache = torch.randn(4, 8, KV, hd)
     v_cache = torch.randn(4, 8, KV, hd)
-    want_q, want_k, want_v = ref.rope_and_cache(qkv, H, KV, positions, cos, sin, k_cache, v_cache, slots)
+    want_q, want_k, want_v = truth.rope_and_cache(qkv, H, KV, positions, cos, sin, k_cache, v_cache, slots)
     got = qkv.clone()
     cpu.rope_and_cache(got.data_ptr(), m, H, KV, hd, positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                        k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr())
@@ -402,7 +402,7 @@ def test_rope_and_cache_bitwise(isa, threads):
     positions = torch.arange(m, dtype=torch.int64)
     slots = torch.randperm(m, generator=torch.Generator().manual_seed(1)).to(torch.int64)
     k_cache, v_cache = torch.zeros(8, 8, KV, hd), torch.zeros(8, 8, KV, hd)
-    want_q, want_k, want_v = ref.rope_and_cache(qkv, H, KV, positions, cos, sin, k_cache, v_cache, slots)
+    want_q, want_k, want_v = truth.rope_and_cache(qkv, H, KV, positions, cos, sin, k_cache, v_cache, slots)
     threads(2)
     cpu.rope_and_cache(qkv.data_ptr(), m, H, KV, hd, positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                        k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), 1000)
@@ -425,7 +425,7 @@ def test_rope_and_cache_low_precision(isa, dtype):
     cos, sin = rope_tables(4, hd)
     k_cache = torch.zeros(1, 4, KV, hd, dtype=dtype)
     v_cache = torch.zeros(1, 4, KV, hd, dtype=dtype)
-    _, want_k, want_v = ref.rope_and_cache(qkv, H, KV, positions, cos, sin, k_cache, v_cache, slots)
+    _, want_k, want_v = truth.rope_and_cache(qkv, H, KV, positions, cos, sin, k_cache, v_cache, slots)
     cpu.rope_and_cache(qkv.data_ptr(), 3, H, KV, hd, positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                        k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), 0, str(dtype).split(".")[1])
     assert torch.equal(k_cache.view(torch.int16), want_k.view(torch.int16))
@@ -436,7 +436,7 @@ def test_rope_and_cache_low_precision(isa, dtype):
 
 
 def test_rope_and_cache_int8(isa, threads):
-    # the kernel quantizes each (token, kv head) like churon.kv_cache.quantize_int8, bitwise
+    # the kernel quantizes each (token, kv head) like churon.engine.kv_cache.quantize_int8, bitwise
     cos, sin = rope_tables(64, 64)
     m, H, KV, hd = 40, 9, 3, 64
     qkv = activations(m, (H + 2 * KV) * hd) * 3
@@ -444,7 +444,7 @@ def test_rope_and_cache_int8(isa, threads):
     positions = torch.arange(m, dtype=torch.int64)
     slots = torch.randperm(m, generator=torch.Generator().manual_seed(2)).to(torch.int64)
     slots[5] = -1
-    want_q, k_f32, v_f32 = ref.rope_and_cache(qkv, H, KV, positions, cos, sin, torch.zeros(5, 8, KV, hd),
+    want_q, k_f32, v_f32 = truth.rope_and_cache(qkv, H, KV, positions, cos, sin, torch.zeros(5, 8, KV, hd),
                                               torch.zeros(5, 8, KV, hd), slots)
     want_k, want_ks = quantize_int8(k_f32)
     want_v, want_vs = quantize_int8(v_f32)
@@ -467,7 +467,7 @@ def test_swiglu(isa, threads):
         gu[0, :4] = torch.tensor([-100.0, 100.0, -1e-8, 0.0])
         out = torch.empty(m, n)
         cpu.swiglu(gu.data_ptr(), out.data_ptr(), m, n)
-        want = ref.swiglu(gu.double())
+        want = truth.swiglu(gu.double())
         torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-6)
         threads(1)
         one = torch.empty(m, n)
@@ -481,7 +481,7 @@ def test_softmax(isa):
         x = activations(m, n) * 10
         out = torch.empty(m, n)
         cpu.softmax(x.data_ptr(), out.data_ptr(), m, n)
-        torch.testing.assert_close(out.double(), ref.softmax(x.double()), rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(out.double(), truth.softmax(x.double()), rtol=1e-5, atol=1e-7)
         cpu.softmax(x.data_ptr(), x.data_ptr(), m, n)  # in place
         assert torch.equal(x, out)
 
@@ -532,7 +532,7 @@ def test_attention_decode(isa, threads, seq_lens, num_heads, num_kv_heads, head_
     q = torch.randn(len(seq_lens), num_heads, head_dim) * 0.5
     scale = head_dim**-0.5
     out = run_attention(q, k, v, table, lens, scale)
-    want = ref.attention_decode(q.double(), k.double(), v.double(), table, lens, scale)
+    want = truth.attention_decode(q.double(), k.double(), v.double(), table, lens, scale)
     torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
     threads(1)
     assert torch.equal(run_attention(q, k, v, table, lens, scale), out)
@@ -553,7 +553,7 @@ def test_attention_decode_low_precision_cache(isa, dtype, head_dim):
     out = torch.empty(3, 6, head_dim)
     cpu.attention_decode(q.data_ptr(), k.data_ptr(), v.data_ptr(), table.data_ptr(), lens.data_ptr(), out.data_ptr(),
                          3, 6, 2, head_dim, 16, scale, table.shape[1], 0, str(dtype).split(".")[1])
-    want = ref.attention_decode(q.double(), k.double(), v.double(), table, lens, scale)  # the cached values, exactly
+    want = truth.attention_decode(q.double(), k.double(), v.double(), table, lens, scale)  # the cached values, exactly
     torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
     from churon.kernels import ops
 
@@ -577,7 +577,7 @@ def test_attention_decode_int8_cache(isa, threads, head_dim):
     out = run()
     # against exact attention over the dequantized cache
     kd, vd = k.double() * ks.double().unsqueeze(-1), v.double() * vs.double().unsqueeze(-1)
-    want = ref.attention_decode(q.double(), kd, vd, table, lens, scale)
+    want = truth.attention_decode(q.double(), kd, vd, table, lens, scale)
     torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
     threads(1)
     assert torch.equal(run(), out)
@@ -639,8 +639,8 @@ def test_ops_wrappers():
     with pytest.raises(ValueError, match="contiguous"):
         m(torch.zeros(64, 2).T)
     w = torch.randn(64)
-    torch.testing.assert_close(ops.rms_norm(x, w, 1e-5), ref.rms_norm(x, w, 1e-5), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ops.rms_norm(x, w, 1e-5), truth.rms_norm(x, w, 1e-5), rtol=1e-5, atol=1e-5)
     k, v, table, lens = paged_cache([3, 9], 2, 16, 4)
     q = torch.randn(2, 4, 16)
     torch.testing.assert_close(ops.attention_decode(q, k, v, table, lens, 0.25),
-                               ref.attention_decode(q, k, v, table, lens, 0.25), rtol=1e-5, atol=1e-5)
+                               truth.attention_decode(q, k, v, table, lens, 0.25), rtol=1e-5, atol=1e-5)

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from churon import LLM, SamplingParams
+from churon.engine.kv_cache import SequenceKVCache
 from tiny_models import make_hf_model, write_gguf
 
 
@@ -18,7 +19,7 @@ def greedy_reference(llm: LLM, prompt: list[int], n: int) -> list[int]:
     """Greedy decoding by re-running the whole sequence each step: no KV cache involved."""
     tokens = list(prompt)
     for _ in range(n):
-        logits = llm.model(torch.tensor(tokens), 0, llm.model.new_cache(len(tokens)))
+        logits = llm.model(torch.tensor(tokens), 0, SequenceKVCache.for_model(llm.model, len(tokens)))
         tokens.append(int(logits[-1].argmax()))
     return tokens[len(prompt) :]
 

@@ -7,9 +7,10 @@ import torch
 
 from churon import SamplingParams
 from churon.config import EngineConfig
-from churon import engine as engine_module
+from churon.engine import core as engine_module
 from churon.engine import LLMEngine
 from churon.loader import load_model
+from churon.engine.kv_cache import SequenceKVCache
 from tiny_models import make_hf_model, write_gguf
 
 # the reference kernels compute a row the same way whatever else runs beside it; the native ones
@@ -39,7 +40,7 @@ def engine(model_and_tokenizer, **options) -> LLMEngine:
 
 def full_logprobs(model, tokens: list[int]) -> torch.Tensor:
     """log_softmax of the logits at every position, from one forward pass over the whole sequence."""
-    logits = model(torch.tensor(tokens), 0, model.new_cache(len(tokens)), all_logits=True)
+    logits = model(torch.tensor(tokens), 0, SequenceKVCache.for_model(model, len(tokens)), all_logits=True)
     return torch.log_softmax(logits[:, : model.config.vocab_size].float(), dim=-1)
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from churon.loader import load_model
+from churon.engine.kv_cache import SequenceKVCache
 from tiny_models import ARCHS, LLAMA3_ROPE_SCALING, make_hf_model, reference_model, write_gguf
 
 RTOL = 1e-4
@@ -24,7 +25,7 @@ def assert_close_relative(actual: torch.Tensor, expected: torch.Tensor, rtol: fl
 def compare_prefill_and_decode(model_path, reference) -> None:
     """Prompt logits at every position, then 20 greedy decode steps through churon's KV cache."""
     transformer, _, _ = load_model(model_path, kernels="reference")
-    cache = transformer.new_cache(len(PROMPT) + DECODE_STEPS)
+    cache = SequenceKVCache.for_model(transformer, len(PROMPT) + DECODE_STEPS)
     tokens = list(PROMPT)
     with torch.no_grad():
         expected = reference(torch.tensor([tokens])).logits[0]
@@ -60,7 +61,7 @@ def test_quantized_gguf_really_differs_from_the_fp32_model(hf_dir, tmp_path):
     transformer, _, _ = load_model(path, kernels="reference")
     with torch.no_grad():
         fp32 = reference_model(hf_dir)(torch.tensor([PROMPT])).logits[0]
-    actual = transformer(torch.tensor(PROMPT), 0, transformer.new_cache(), all_logits=True)
+    actual = transformer(torch.tensor(PROMPT), 0, SequenceKVCache.for_model(transformer), all_logits=True)
     assert (actual - fp32).abs().max() > 1e-3
 
 
@@ -95,5 +96,5 @@ def test_bf16_activations_stay_close(hf_dir):
     transformer, _, _ = load_model(hf_dir, dtype="bfloat16", kernels="reference")
     with torch.no_grad():
         expected = reference_model(hf_dir)(torch.tensor([PROMPT])).logits[0]
-    actual = transformer(torch.tensor(PROMPT), 0, transformer.new_cache(), all_logits=True)
+    actual = transformer(torch.tensor(PROMPT), 0, SequenceKVCache.for_model(transformer), all_logits=True)
     assert_close_relative(actual, expected, rtol=0.05)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from churon import kernels
-from churon.kv_cache import PagedKVCache, SequenceKVCache
+from churon.engine.kv_cache import PagedKVCache, SequenceKVCache
 from churon.loader import load_model
 from churon.model.batch import ForwardBatch, SequenceChunk
 from tiny_models import ARCHS, make_hf_model, write_gguf
@@ -40,12 +40,12 @@ def test_native_logits_are_close_to_the_reference_path(hf_dir, qtype, tmp_path):
     def native_cache():  # float32, as the reference's, whatever the native default
         return SequenceKVCache(native.config, 64, dtype=torch.float32)
 
-    want = reference(tokens, 0, reference.new_cache(64), all_logits=True)
+    want = reference(tokens, 0, SequenceKVCache.for_model(reference, 64), all_logits=True)
     got = native(tokens, 0, native_cache(), all_logits=True)
     scale = want.abs().max()
     assert (got - want).abs().max() <= TOLERANCE[qtype] * scale
     # decode steps through the cache agree too
-    cache_n, cache_r = native_cache(), reference.new_cache(64)
+    cache_n, cache_r = native_cache(), SequenceKVCache.for_model(reference, 64)
     native(tokens, 0, cache_n)
     reference(tokens, 0, cache_r)
     for step, token in enumerate([9, 99, 199]):
@@ -92,14 +92,14 @@ def test_results_do_not_depend_on_the_thread_count(hf_dir, tmp_path):
         outs = []
         for n in (1, 2, 3):
             kernels.cpu.set_num_threads(n)
-            outs.append(model(tokens, 0, model.new_cache(64), all_logits=True))
+            outs.append(model(tokens, 0, SequenceKVCache.for_model(model, 64), all_logits=True))
     finally:
         kernels.cpu.set_num_threads(threads)
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
 def test_without_the_extension_auto_runs_the_reference_path_and_says_so(monkeypatch, caplog):
-    from churon.kernels.backend import make_backend
+    from churon.model.backend import make_backend
 
     monkeypatch.setattr(kernels, "cpu", None)
     monkeypatch.setattr(kernels, "reason", "churon._cpu is not available (test)")

@@ -25,6 +25,7 @@ from churon.formats.gguf_writer import GGUFModelWriter, TensorSpec
 from churon.formats.quants import dequantize, quantize
 from churon.quantize import quantize_model
 from churon.quantize.mixed import spend_budget
+from churon.engine.kv_cache import SequenceKVCache
 from tiny_models import make_hf_model, reference_model, write_gguf
 
 llama_cpp = pytest.importorskip("llama_cpp")
@@ -71,7 +72,7 @@ def llama_cpp_greedy(path, prompt: list[int], n: int) -> list[int]:
 
 
 def churon_logits(llm: LLM, tokens: list[int]) -> torch.Tensor:
-    return llm.model(torch.tensor(tokens), 0, llm.model.new_cache(len(tokens)), all_logits=True)
+    return llm.model(torch.tensor(tokens), 0, SequenceKVCache.for_model(llm.model, len(tokens)), all_logits=True)
 
 
 def greedy(llm: LLM, prompt: list[int], n: int) -> list[int]:

@@ -12,8 +12,9 @@ import torch
 
 from churon.formats.gguf import GGUFModel, canonical_name
 from churon.formats.hf import HFModel
+from churon.tokenizer import load_tokenizer
 from churon.formats.quants import dequantize, quant_type, quantize
-from churon.kernels.backend import ReferenceBackend
+from churon.model.reference_backend import ReferenceBackend
 from churon.model.transformer import Transformer
 from churon.quantize.awq import AWQMethod, output_error, search_scales
 from churon.quantize.calibration import ActivationStats, collect_stats
@@ -24,6 +25,7 @@ from churon.quantize.gptq import (
 from churon.quantize.imatrix import ImatrixMethod
 from churon.quantize.pipeline import quantize_model
 from churon.quantize.source import SourceTensors
+from churon.engine.kv_cache import SequenceKVCache
 from tiny_models import make_hf_model, reference_model, unpermute_qk, write_gguf
 
 WINDOWS = [list(range(3, 67)), [(7 * i) % 300 + 3 for i in range(64)], [(13 * i + 5) % 350 + 3 for i in range(48)]]
@@ -138,7 +140,7 @@ def test_quantize_holds_one_block_at_a_time(tmp_path, llama_dir, monkeypatch, me
 def test_collect_stats_from_text_cuts_windows(llama_dir):
     text = "The quick brown fox jumps over the lazy dog. " * 30
     stats = collect_stats(HFModel(llama_dir), text, hessian=False, progress=False, ctx=32)
-    tokens = HFModel(llama_dir).load_tokenizer().encode(text, add_bos=False)
+    tokens = load_tokenizer(HFModel(llama_dir)).encode(text, add_bos=False)
     assert stats["blk.0.attn_q.weight"].count == len(tokens) // 32 * 32
     assert stats["blk.0.attn_q.weight"].hessian is None
     with pytest.raises(ValueError, match="fewer than one window"):
@@ -306,8 +308,8 @@ def test_awq_transform_keeps_the_float_model(tmp_path, llama_dir, arch):
     before = Transformer(source.config, original, ReferenceBackend())
     after = Transformer(source.config, weights, ReferenceBackend())
     ids = torch.tensor(WINDOWS[1])
-    a = before(ids, 0, before.new_cache(len(ids)), all_logits=True)
-    b = after(ids, 0, after.new_cache(len(ids)), all_logits=True)
+    a = before(ids, 0, SequenceKVCache.for_model(before, len(ids)), all_logits=True)
+    b = after(ids, 0, SequenceKVCache.for_model(after, len(ids)), all_logits=True)
     torch.testing.assert_close(b, a, atol=1e-4, rtol=0)
 
 

@@ -11,10 +11,10 @@ import random
 
 import pytest
 
-from churon.block_manager import BlockManager
+from churon.engine.block_manager import BlockManager
 from churon.sampling import SamplingParams
-from churon.scheduler import CacheCapacityError, ScheduledSeq, Scheduler, SchedulerOutput
-from churon.sequence import Sequence, SequenceStatus
+from churon.engine.scheduler import CacheCapacityError, ScheduledSeq, Scheduler, SchedulerOutput
+from churon.engine.sequence import Sequence, SequenceStatus
 from test_block_manager import check_invariants
 
 
@@ -64,16 +64,14 @@ class FakeEngine:
             for t in range(sc.start, sc.start + sc.num_tokens):
                 assert self.bm.blocks[sc.seq.block_table[t // bs]].ref_count == 1, "write into a shared block"
                 self.kv[self.slot(sc.seq, t)] = (t, sc.seq.token_ids[t])
+        sampled = {}
         for sc in out.scheduled:
-            seq = sc.seq
-            seq.num_computed_tokens += sc.num_tokens
-            self.bm.commit(seq)
             if sc.sample:
+                seq = sc.seq
                 context = [self.kv[self.slot(seq, t)] for t in range(seq.num_tokens)]
                 assert [p for p, _ in context] == list(range(seq.num_tokens))
-                seq.append_token(next_token([tok for _, tok in context]))
-                if seq.num_output_tokens >= seq.params.max_tokens:
-                    sched.finish(seq, "length")
+                sampled[seq.seq_id] = next_token([tok for _, tok in context])
+        sched.update_from_output(out, sampled)
         if self.check:
             check_invariants(self.bm, self.seqs)
         self.steps.append([(s.seq.seq_id, s.num_tokens, s.sample) for s in out.scheduled])

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from churon import LLM, SamplingParams
+from churon.engine.kv_cache import SequenceKVCache
 from tiny_models import make_hf_model, write_gguf
 
 MODEL = "tiny"
@@ -89,7 +90,7 @@ def greedy(llm, prompt_ids, n, **kw):
 
 def full_logprobs(llm, ids):
     """log_softmax of the model's logits at every position, from one full forward pass (no KV cache)."""
-    logits = llm.model(torch.tensor(ids), 0, llm.model.new_cache(len(ids)), all_logits=True)
+    logits = llm.model(torch.tensor(ids), 0, SequenceKVCache.for_model(llm.model, len(ids)), all_logits=True)
     return torch.log_softmax(logits.float(), dim=-1)
 
 

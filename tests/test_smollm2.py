@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from churon import LLM, SamplingParams
+from churon.engine.kv_cache import SequenceKVCache
 
 pytestmark = pytest.mark.slow
 
@@ -70,7 +71,7 @@ def test_greedy_continuations_and_logits_match_transformers(reference_llm, refer
         out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))[0]
         assert out.token_ids == expected, f"{name!r}: churon {llm.tokenizer.decode(out.token_ids)!r} vs {llm.tokenizer.decode(expected)!r}"
         model = llm.model
-        logits = model(torch.tensor(ids), 0, model.new_cache(len(ids)))[0]
+        logits = model(torch.tensor(ids), 0, SequenceKVCache.for_model(model, len(ids)))[0]
         assert (logits - expected_logits).abs().max().item() < 1e-3, name
 
 
@@ -96,7 +97,7 @@ def test_outputs_do_not_depend_on_the_batch(llm):
     through preemptions under a tiny KV cache."""
     from churon.config import EngineConfig
     from churon.engine import LLMEngine
-    from churon.kv_cache import kv_bytes_per_token
+    from churon.engine.kv_cache import kv_bytes_per_token
 
     tok = llm.tokenizer
     system = tok.encode("You are a careful assistant who answers briefly and precisely. " * 3)

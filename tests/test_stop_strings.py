@@ -1,15 +1,26 @@
-from churon.engine import StopChecker
+"""Stop strings in the detokenizer: cut where they start, never emitted, held back while they may be starting."""
+
+from churon.tokenizer import Detokenizer
+
+
+class PieceTokenizer:
+    """Token i decodes to pieces[i]: the detokenizer's text is exactly the pieces fed to it."""
+
+    def __init__(self, pieces):
+        self.pieces = list(pieces)
+
+    def decode(self, ids, skip_special_tokens=True, at_start=True):
+        return "".join(self.pieces[i] for i in ids)
 
 
 def feed(stops, pieces):
-    checker = StopChecker(stops)
+    detokenizer = Detokenizer(PieceTokenizer(pieces), stop=stops)
     emitted = []
-    for piece in pieces:
-        text, hit = checker.add(piece)
-        emitted.append(text)
-        if hit:
+    for token in range(len(pieces)):
+        emitted.append(detokenizer.update(token))
+        if detokenizer.stopped:
             return emitted, True
-    emitted.append(checker.flush())
+    emitted.append(detokenizer.finish())
     return emitted, False
 
 

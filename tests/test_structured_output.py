@@ -15,7 +15,8 @@ from churon.config import EngineConfig
 from churon.engine import LLMEngine
 from churon.loader import load_model
 from churon.sampling import Sampler
-from churon.tokenizer import Tokenizer
+from churon.tokenizer import from_gguf, from_hf_dir
+from churon.engine.kv_cache import SequenceKVCache
 from tiny_models import make_hf_model, write_gguf
 
 PERSON = {
@@ -78,7 +79,7 @@ def test_constrained_logprobs_are_the_models_raw_ones(engine):
     out = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=80, json_schema=PERSON, logprobs=1))[0]
     model = engine.model
     tokens = prompt + out.token_ids
-    logits = model(torch.tensor(tokens), 0, model.new_cache(len(tokens)), all_logits=True)
+    logits = model(torch.tensor(tokens), 0, SequenceKVCache.for_model(model, len(tokens)), all_logits=True)
     expected = torch.log_softmax(logits[:, : model.config.vocab_size].float(), dim=-1)
     for i, entry in enumerate(out.logprobs):
         assert entry.logprob == pytest.approx(expected[len(prompt) - 1 + i, entry.token_id].item(), abs=1e-3)
@@ -119,7 +120,7 @@ def test_token_bytes_join_to_the_text(model_and_tokenizer, hf_dir, tmp_path):
     """llguidance matches the grammar on token bytes: they must be exactly what the text is made of."""
     _, gguf_tokenizer = model_and_tokenizer
     text = "The dog, 42 héllo ✓"
-    hf_tokenizer = Tokenizer.from_hf_dir(hf_dir)
+    hf_tokenizer = from_hf_dir(hf_dir)
     for tokenizer in (gguf_tokenizer, hf_tokenizer):  # byte-level BPE from a GGUF table, and from tokenizer.json
         ids = tokenizer.encode(text, add_bos=False)
         assert b"".join(tokenizer.token_bytes(i) for i in ids) == text.encode()
@@ -128,7 +129,7 @@ def test_token_bytes_join_to_the_text(model_and_tokenizer, hf_dir, tmp_path):
         assert tokenizer.token_bytes(tokenizer.vocab_size) == b""
     # SentencePiece: "▁" is a space, <0xAB> byte-fallback tokens their byte
     tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), "\u2581", "h", "i", "\u2581h", "\u2581hi", "é"]
-    spm = Tokenizer.from_gguf({
+    spm = from_gguf({
         "tokenizer.ggml.model": "llama",
         "tokenizer.ggml.tokens": tokens,
         "tokenizer.ggml.scores": [0.0] * len(tokens),
@@ -139,7 +140,7 @@ def test_token_bytes_join_to_the_text(model_and_tokenizer, hf_dir, tmp_path):
     spm_dir = tmp_path / "spm"
     spm_dir.mkdir()
     (spm_dir / "tokenizer.json").write_text(spm._hf.to_str())  # the same tokenizer as a tokenizer.json
-    spm_hf = Tokenizer.from_hf_dir(spm_dir)
+    spm_hf = from_hf_dir(spm_dir)
     assert [spm_hf.token_bytes(i) for i in range(len(tokens))] == [spm.token_bytes(i) for i in range(len(tokens))]
 
 

@@ -12,7 +12,7 @@ from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 from tokenizers import Tokenizer as HFTokenizer
 
 from churon.errors import ChuronError, ModelFileError, UnsupportedModelError
-from churon.tokenizer import ChatTemplateError, IncrementalDetokenizer, Tokenizer
+from churon.tokenizer import ChatTemplateError, Detokenizer, Tokenizer, from_gguf, from_hf_dir
 
 CORPUS = """\
 The quick brown fox jumps over the lazy dog. A tokenizer turns text into token ids, and a
@@ -97,7 +97,7 @@ def trained_bpe() -> HFTokenizer:
 
 @pytest.fixture(scope="module")
 def bpe(trained_bpe) -> Tokenizer:
-    return Tokenizer.from_gguf(gguf_metadata_from_hf(trained_bpe), source="tiny-bpe")
+    return from_gguf(gguf_metadata_from_hf(trained_bpe), source="tiny-bpe")
 
 
 SPM_TEXT = """The quick brown fox jumps over the lazy dog. A tokenizer turns text into token ids.
@@ -156,7 +156,7 @@ def spm_model():
 
 @pytest.fixture(scope="module")
 def spm(spm_model) -> Tokenizer:
-    return Tokenizer.from_gguf(spm_model[1], source="tiny-spm")
+    return from_gguf(spm_model[1], source="tiny-spm")
 
 
 # --- byte-level BPE -------------------------------------------------------------------
@@ -215,7 +215,7 @@ def test_user_defined_tokens_always_parsed(trained_bpe):
     meta = gguf_metadata_from_hf(trained_bpe)
     meta["tokenizer.ggml.tokens"] = meta["tokenizer.ggml.tokens"] + ["<tool_call>"]
     meta["tokenizer.ggml.token_type"] = meta["tokenizer.ggml.token_type"] + [4]
-    tok = Tokenizer.from_gguf(meta)
+    tok = from_gguf(meta)
     tool = len(meta["tokenizer.ggml.tokens"]) - 1
     for parse_special in (True, False):
         assert tool in tok.encode("call <tool_call> now", add_bos=False, parse_special=parse_special)
@@ -231,16 +231,16 @@ def test_bos_rules(trained_bpe, bpe):
     # never twice: text that starts with the BOS token keeps only that one
     assert bpe.encode("<|im_start|>hi", add_bos=True) == [bos] + bpe.encode("hi", add_bos=False)
     # metadata decides the default
-    tok = Tokenizer.from_gguf(gguf_metadata_from_hf(trained_bpe, **{"tokenizer.ggml.add_bos_token": True}))
+    tok = from_gguf(gguf_metadata_from_hf(trained_bpe, **{"tokenizer.ggml.add_bos_token": True}))
     assert tok.add_bos is True
     assert tok.encode("hi")[0] == bos
     assert tok.encode("hi", add_bos=False) == bpe.encode("hi", add_bos=False)
     # llama3 pre-tokenizer: llama.cpp adds BOS unless the metadata says otherwise
-    assert Tokenizer.from_gguf(gguf_metadata_from_hf(trained_bpe, pre="llama-bpe")).add_bos is True
+    assert from_gguf(gguf_metadata_from_hf(trained_bpe, pre="llama-bpe")).add_bos is True
     meta = gguf_metadata_from_hf(trained_bpe, **{"tokenizer.ggml.add_bos_token": True})
     del meta["tokenizer.ggml.bos_token_id"]
     with pytest.raises(ModelFileError, match="bos_token_id"):
-        Tokenizer.from_gguf(meta)
+        from_gguf(meta)
 
 
 def _pieces(tok: Tokenizer, text: str) -> list[str]:
@@ -272,13 +272,13 @@ def _pieces(tok: Tokenizer, text: str) -> list[str]:
     ],
 )
 def test_pre_tokenizer_splits(trained_bpe, pre, text, expected):
-    tok = Tokenizer.from_gguf(gguf_metadata_from_hf(trained_bpe, pre=pre))
+    tok = from_gguf(gguf_metadata_from_hf(trained_bpe, pre=pre))
     assert _pieces(tok, text) == expected
 
 
 def test_smollm_digits_ids(trained_bpe):
-    gpt2 = Tokenizer.from_gguf(gguf_metadata_from_hf(trained_bpe, pre="gpt-2"))
-    smollm = Tokenizer.from_gguf(gguf_metadata_from_hf(trained_bpe, pre="smollm"))
+    gpt2 = from_gguf(gguf_metadata_from_hf(trained_bpe, pre="gpt-2"))
+    smollm = from_gguf(gguf_metadata_from_hf(trained_bpe, pre="smollm"))
     vocab = trained_bpe.get_vocab()
     digits = [vocab[d] for d in "2024"]
     assert smollm.encode("2024", add_bos=False) == digits
@@ -289,19 +289,19 @@ def test_smollm_digits_ids(trained_bpe):
 def test_gguf_errors(trained_bpe):
     meta = gguf_metadata_from_hf(trained_bpe)
     with pytest.raises(UnsupportedModelError, match="'bert'.*known"):
-        Tokenizer.from_gguf({**meta, "tokenizer.ggml.model": "bert"})
+        from_gguf({**meta, "tokenizer.ggml.model": "bert"})
     with pytest.raises(UnsupportedModelError, match="'no-such-pre'.*known:.*smollm"):
-        Tokenizer.from_gguf({**meta, "tokenizer.ggml.pre": "no-such-pre"})
+        from_gguf({**meta, "tokenizer.ggml.pre": "no-such-pre"})
     with pytest.raises(ModelFileError, match="tokenizer.ggml.tokens"):
-        Tokenizer.from_gguf({k: v for k, v in meta.items() if k != "tokenizer.ggml.tokens"})
+        from_gguf({k: v for k, v in meta.items() if k != "tokenizer.ggml.tokens"})
     with pytest.raises(ModelFileError, match="tokenizer.ggml.model"):
-        Tokenizer.from_gguf({k: v for k, v in meta.items() if k != "tokenizer.ggml.model"})
+        from_gguf({k: v for k, v in meta.items() if k != "tokenizer.ggml.model"})
     with pytest.raises(ModelFileError, match="merges"):
-        Tokenizer.from_gguf({k: v for k, v in meta.items() if k != "tokenizer.ggml.merges"})
+        from_gguf({k: v for k, v in meta.items() if k != "tokenizer.ggml.merges"})
     with pytest.raises(ModelFileError, match="duplicate token"):
-        Tokenizer.from_gguf({**meta, "tokenizer.ggml.tokens": meta["tokenizer.ggml.tokens"][:-1] + ["a"]})
+        from_gguf({**meta, "tokenizer.ggml.tokens": meta["tokenizer.ggml.tokens"][:-1] + ["a"]})
     with pytest.raises(ModelFileError, match="token_type"):
-        Tokenizer.from_gguf({**meta, "tokenizer.ggml.token_type": [1, 1]})
+        from_gguf({**meta, "tokenizer.ggml.token_type": [1, 1]})
     assert issubclass(ChatTemplateError, ChuronError)
 
 
@@ -330,8 +330,8 @@ def test_from_real_gguf_file(trained_bpe, tmp_path):
     w.write_tensors_to_file()
     w.close()
     f = GGUFFile.open(path)
-    tok = Tokenizer.from_gguf(f.metadata, source=str(path))
-    ref = Tokenizer.from_gguf(meta)
+    tok = from_gguf(f.metadata, source=str(path))
+    ref = from_gguf(meta)
     for text in STRINGS:
         assert tok.encode(text) == ref.encode(text)
     assert tok.chat_template == CHATML_TEMPLATE
@@ -391,7 +391,7 @@ def test_spm_specials_and_bos(spm_model, spm):
     assert spm.decode([1] + sp.encode("Hello") + [2], skip_special_tokens=False) == "<s> Hello</s>"  # as llama.cpp
     # without add_space_prefix no "▁" is put in front
     _, meta = spm_model
-    tok = Tokenizer.from_gguf({**meta, "tokenizer.ggml.add_space_prefix": False})
+    tok = from_gguf({**meta, "tokenizer.ggml.add_space_prefix": False})
     ids = tok.encode("Hello world", add_bos=False)
     assert not tok.id_to_piece(ids[0]).startswith(" ")
     assert tok.decode(ids) == "Hello world"
@@ -403,7 +403,7 @@ def test_spm_merges_by_score():
     tokens = ["<unk>", "<s>", "</s>", "\u2581", "a", "b", "c", "ab", "bc", "\u2581a", "abc"]
     scores = [0.0, 0.0, 0.0, -1.0, -2.0, -3.0, -4.0, -10.0, -5.0, -20.0, -6.0]
     types = [2, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1]
-    tok = Tokenizer.from_gguf({
+    tok = from_gguf({
         "tokenizer.ggml.model": "llama",
         "tokenizer.ggml.tokens": tokens,
         "tokenizer.ggml.scores": scores,
@@ -433,7 +433,7 @@ def test_from_hf_dir(trained_bpe, tmp_path):
         "chat_template": CHATML_TEMPLATE,
     }))
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [tok.token_to_id("<|im_end|>"), 7]}))
-    t = Tokenizer.from_hf_dir(tmp_path)
+    t = from_hf_dir(tmp_path)
     assert t.bos_id == bos
     assert t.eos_id == tok.token_to_id("<|im_end|>")
     assert t.eog_ids == {tok.token_to_id("<|im_end|>"), 7, bos}  # <|endoftext|> is an EOG text
@@ -449,15 +449,15 @@ def test_from_hf_dir(trained_bpe, tmp_path):
     # add_bos_token in tokenizer_config wins
     cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({**cfg, "add_bos_token": False}))
-    assert Tokenizer.from_hf_dir(tmp_path).encode("Hello") == trained_bpe.encode("Hello").ids
+    assert from_hf_dir(tmp_path).encode("Hello") == trained_bpe.encode("Hello").ids
 
 
 def test_from_hf_dir_errors(tmp_path):
     with pytest.raises(ModelFileError, match="tokenizer.json"):
-        Tokenizer.from_hf_dir(tmp_path)
+        from_hf_dir(tmp_path)
     (tmp_path / "tokenizer.json").write_text("{not json")
     with pytest.raises(ModelFileError, match="tokenizer.json"):
-        Tokenizer.from_hf_dir(tmp_path)
+        from_hf_dir(tmp_path)
 
 
 # --- chat template --------------------------------------------------------------------
@@ -472,7 +472,7 @@ def test_chat_template_renders(bpe):
 
 
 def _with_template(trained_bpe, template):
-    return Tokenizer.from_gguf(gguf_metadata_from_hf(trained_bpe, **{"tokenizer.chat_template": template}))
+    return from_gguf(gguf_metadata_from_hf(trained_bpe, **{"tokenizer.chat_template": template}))
 
 
 def test_chat_template_helpers(trained_bpe):
@@ -513,7 +513,7 @@ def test_chat_template_syntax_error_and_missing(trained_bpe):
         tok.apply_chat_template([])
     meta = gguf_metadata_from_hf(trained_bpe)
     del meta["tokenizer.chat_template"]
-    tok = Tokenizer.from_gguf(meta)
+    tok = from_gguf(meta)
     assert tok.chat_template is None
     # ChatML fallback: the vocabulary has <|im_start|> and <|im_end|>
     assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == (
@@ -531,9 +531,9 @@ def test_chat_template_missing_without_chatml(spm):
 
 
 def _stream(tok, ids, prompt_ids=()):
-    detok = IncrementalDetokenizer(tok, prompt_ids)
-    parts = [detok.add(i) for i in ids]
-    parts.append(detok.flush())
+    detok = Detokenizer(tok, prompt_ids)
+    parts = [detok.update(i) for i in ids]
+    parts.append(detok.finish())
     return parts
 
 
@@ -569,20 +569,20 @@ def test_incremental_spm_leading_space(spm_model, spm):
     sp, _ = spm_model
     hello = sp.piece_to_id("\u2581Hello")
     assert hello != sp.unk_id()
-    detok = IncrementalDetokenizer(spm, spm.encode("Say"))
-    assert detok.add(hello) == " Hello"
-    assert detok.add(sp.piece_to_id("\u2581world")) == " world"
+    detok = Detokenizer(spm, spm.encode("Say"))
+    assert detok.update(hello) == " Hello"
+    assert detok.update(sp.piece_to_id("\u2581world")) == " world"
     # at the very start the space SentencePiece added is dropped, as decode() does
-    detok = IncrementalDetokenizer(spm)
-    assert detok.add(hello) == "Hello"
-    assert detok.add(hello) == " Hello"
+    detok = Detokenizer(spm)
+    assert detok.update(hello) == "Hello"
+    assert detok.update(hello) == " Hello"
 
 
 def test_incremental_byte_fallback_then_flush(spm):
     ids = [spm.token_to_id(f"<0x{b:02X}>") for b in "😀".encode()]
     assert spm.encode("x😀", add_bos=False)[-4:] == ids
-    detok = IncrementalDetokenizer(spm, spm.encode("x"))
-    assert [detok.add(i) for i in ids[:-1]] == [""] * (len(ids) - 1)
-    assert detok.flush() != ""  # an unfinished character comes out at the end
-    detok = IncrementalDetokenizer(spm, spm.encode("x"))
-    assert "".join(detok.add(i) for i in ids) + detok.flush() == "😀"
+    detok = Detokenizer(spm, spm.encode("x"))
+    assert [detok.update(i) for i in ids[:-1]] == [""] * (len(ids) - 1)
+    assert detok.finish() != ""  # an unfinished character comes out at the end
+    detok = Detokenizer(spm, spm.encode("x"))
+    assert "".join(detok.update(i) for i in ids) + detok.finish() == "😀"

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from churon.formats.gguf import GGUFFile
-from churon.tokenizer import IncrementalDetokenizer, Tokenizer
+from churon.tokenizer import Detokenizer, Tokenizer, from_gguf
 
 pytestmark = pytest.mark.slow
 
@@ -23,7 +23,7 @@ CASES = RECORD["cases"]
 
 @pytest.fixture(scope="module")
 def smollm2_tokenizer(smollm2_gguf) -> Tokenizer:
-    return Tokenizer.from_gguf(GGUFFile.open(smollm2_gguf).metadata, source=str(smollm2_gguf))
+    return from_gguf(GGUFFile.open(smollm2_gguf).metadata, source=str(smollm2_gguf))
 
 
 def test_record_is_for_this_model(smollm2_gguf):
@@ -81,8 +81,8 @@ def test_incremental_detokenizer(smollm2_tokenizer):
     tok = smollm2_tokenizer
     prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "hi"}]))
     text = "Sure! 😀👍🏽 안녕하세요, 你好. 👨\u200d👩\u200d👧\u200d👦 done."
-    detok = IncrementalDetokenizer(tok, prompt)
-    parts = [detok.add(i) for i in tok.encode(text) + [2]]
-    parts.append(detok.flush())
+    detok = Detokenizer(tok, prompt)
+    parts = [detok.update(i) for i in tok.encode(text) + [2]]
+    parts.append(detok.finish())
     assert "".join(parts) == text
     assert not any("\ufffd" in p for p in parts)

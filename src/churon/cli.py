@@ -194,9 +194,9 @@ def cmd_inspect(args) -> int:
     import torch
 
     from churon.config import EngineConfig
-    from churon.kv_cache import KV_DTYPES, kv_bytes_per_token
+    from churon.engine.kv_cache import KV_DTYPES, kv_bytes_per_token
     from churon.loader import open_model
-    from churon.memory import plan_memory
+    from churon.engine.memory import plan_memory
 
     m = open_model(args.model, pull=True)
     c = m.config
@@ -251,7 +251,7 @@ def cmd_inspect(args) -> int:
 def _print_native_layouts(m) -> None:
     """How the native kernels hold each weight type (repacked at load time), from one tensor of each."""
     from churon import kernels
-    from churon.kernels.backend import NativeBackend
+    from churon.model.native_backend import NativeBackend
 
     if not kernels.native_available():
         print(f"\nnative kernels: not available ({kernels.reason}); the PyTorch reference path runs")

@@ -26,13 +26,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Callable, Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 import torch.nn.functional as F
 
-if TYPE_CHECKING:
-    from churon.model.transformer import Transformer
+from churon.engine.kv_cache import SequenceKVCache
+from churon.model.transformer import Transformer
 
 LogitsFn = Callable[[Sequence[int]], torch.Tensor]  # window -> float32 logits [len(window), vocab]
 
@@ -64,15 +64,15 @@ def scored_positions(ctx: int) -> slice:
     return slice(ctx // 2, ctx - 1)
 
 
-def window_logits(model: "Transformer", window: Sequence[int]) -> torch.Tensor:
+def window_logits(model: Transformer, window: Sequence[int]) -> torch.Tensor:
     """float32 logits [len(window), vocab] from one prefill over a fresh KV cache."""
-    cache = model.new_cache(len(window))
+    cache = SequenceKVCache.for_model(model, len(window))
     return model(torch.tensor(list(window), dtype=torch.long), 0, cache, all_logits=True)
 
 
 def _logits_fn(source: "Transformer | LogitsFn") -> LogitsFn:
-    if hasattr(source, "new_cache"):
-        return lambda window: window_logits(source, window)  # type: ignore[arg-type]
+    if isinstance(source, Transformer):
+        return lambda window: window_logits(source, window)
     return source  # type: ignore[return-value]
 
 

@@ -1,6 +1,6 @@
-"""From a model name or path to a ready Transformer and Tokenizer.
+"""The loader: from a model name or path to a ready Transformer and Tokenizer.
 
-model file -> (GGUFModel | HFModel) -> checked weights -> Transformer
+model file -> ModelSource (GGUF file or HF directory) -> checked weights -> Transformer, Tokenizer
 """
 
 from __future__ import annotations
@@ -12,15 +12,16 @@ import torch
 from churon.errors import ModelFileError
 from churon.formats.gguf import GGUFModel
 from churon.formats.hf import HFModel
-from churon.kernels.backend import make_backend
+from churon.formats.source import ModelSource
+from churon.model.backend import make_backend
 from churon.model.transformer import Transformer, expected_weight_shapes
 from churon.registry import resolve_model
-from churon.tokenizer import Tokenizer
+from churon.tokenizer import Tokenizer, load_tokenizer
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
 
-def open_model(model: str | os.PathLike, pull: bool = True) -> GGUFModel | HFModel:
+def open_model(model: str | os.PathLike, pull: bool = True) -> ModelSource:
     """Open a model file without reading its weights: a registry name, a .gguf file or an HF directory."""
     path = resolve_model(model, pull=pull)
     if path.is_dir():
@@ -28,7 +29,7 @@ def open_model(model: str | os.PathLike, pull: bool = True) -> GGUFModel | HFMod
     return GGUFModel(path)
 
 
-def check_weights(source: GGUFModel | HFModel) -> None:
+def check_weights(source: ModelSource) -> None:
     """Every tensor the architecture needs is present with the right shape, before any data is read."""
     found = source.weight_shapes()
     for name, shape in expected_weight_shapes(source.config).items():
@@ -42,7 +43,7 @@ def check_weights(source: GGUFModel | HFModel) -> None:
 
 def load_model(
     model: str | os.PathLike, dtype: str | torch.dtype = "float32", pull: bool = True, kernels: str = "auto"
-) -> tuple[Transformer, Tokenizer, GGUFModel | HFModel]:
+) -> tuple[Transformer, Tokenizer, ModelSource]:
     """kernels: "native" (churon's CPU kernels), "reference" (plain PyTorch), "auto" (native when built, float32)."""
     if isinstance(dtype, str):
         if dtype not in DTYPES:
@@ -52,6 +53,6 @@ def load_model(
     source = open_model(model, pull=pull)
     check_weights(source)
     source.check_types()
-    tokenizer = source.load_tokenizer()
+    tokenizer = load_tokenizer(source)
     transformer = Transformer(source.config, source.load_weights(), backend)
     return transformer, tokenizer, source

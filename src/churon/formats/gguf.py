@@ -20,7 +20,6 @@ from churon.config import ModelConfig, check_architecture
 from churon.errors import ModelFileError, UnsupportedModelError
 from churon.formats.quants import SUPPORTED_TYPES
 from churon.formats.tensor_info import TensorInfo
-from churon.tokenizer import Tokenizer
 
 GGUF_MAGIC = b"GGUF"
 
@@ -150,13 +149,14 @@ def from_llama_cpp_layout(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 
 class GGUFModel:
-    """A GGUF file seen as a model: its ModelConfig, tensor index, weights and tokenizer."""
+    """A GGUF file seen as a model (a ModelSource): its ModelConfig, tensor index, metadata and weights."""
 
     format = "gguf"
 
     def __init__(self, path: str | os.PathLike):
         self.file = GGUFFile.open(path)
         self.path = self.file.path
+        self.metadata = self.file.metadata  # the tokenizer is built from it too (tokenizer.ggml.*)
         self.config = self._config()
 
     def _config(self) -> ModelConfig:
@@ -243,6 +243,3 @@ class GGUFModel:
                 t = GGUFTensor(t.name, t.shape, t.qtype, t.data.reshape(t.shape[0], -1)[order].reshape(-1))
             out[name] = t
         return out
-
-    def load_tokenizer(self) -> Tokenizer:
-        return Tokenizer.from_gguf(self.file.metadata, source=str(self.path))

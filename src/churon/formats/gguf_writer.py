@@ -24,6 +24,7 @@ from churon.config import ModelConfig
 from churon.errors import ModelFileError, UnsupportedModelError
 from churon.formats.gguf import GGUFModel
 from churon.formats.hf import HFModel, read_json
+from churon.formats.source import ModelSource
 
 # general.file_type llama.cpp writes for a model mostly of one type (the K types as llama-quantize's
 # _M mixes, which keep output and some attn_v / ffn_down tensors at Q6_K, as churon's default does)
@@ -61,7 +62,7 @@ class TensorSpec:
         return int(np.prod(self.shape)) // block * size
 
 
-def gguf_tensor_name(source: GGUFModel | HFModel, canonical: str) -> str:
+def gguf_tensor_name(source: ModelSource, canonical: str) -> str:
     """The GGUF name (blk.0.attn_q.weight) of a canonical churon tensor name (layers.0.self_attn.q_proj.weight)."""
     c = source.config
     names = gguf.get_tensor_name_map(_GGUF_ARCHS[c.architecture], c.num_layers)
@@ -72,7 +73,7 @@ def gguf_tensor_name(source: GGUFModel | HFModel, canonical: str) -> str:
     return name
 
 
-def permuted_heads(source: GGUFModel | HFModel, gguf_name: str) -> int | None:
+def permuted_heads(source: ModelSource, gguf_name: str) -> int | None:
     """For llama attn_q / attn_k (weights and biases): the head count their rows are grouped by; else None."""
     c = source.config
     if c.architecture != "llama":
@@ -112,7 +113,7 @@ class GGUFModelWriter:
             w.write(spec.name, raw_bytes)
     """
 
-    def __init__(self, path: str | os.PathLike, source: GGUFModel | HFModel, tensors: list[TensorSpec],
+    def __init__(self, path: str | os.PathLike, source: ModelSource, tensors: list[TensorSpec],
                  file_type: LlamaFileType):
         self.path = Path(path)
         arch = source.config.architecture

@@ -14,7 +14,6 @@ from safetensors import safe_open
 from churon.config import ModelConfig, check_architecture
 from churon.errors import ModelFileError, UnsupportedModelError
 from churon.formats.tensor_info import TensorInfo
-from churon.tokenizer import Tokenizer
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 
@@ -33,7 +32,8 @@ def _canonical_name(hf_name: str) -> str:
 
 
 class HFModel:
-    """A Hugging Face directory seen as a model: its ModelConfig, tensor index, weights and tokenizer."""
+    """A Hugging Face directory seen as a model (a ModelSource): its ModelConfig, tensor index and weights.
+    The tokenizer files beside them are churon.tokenizer's to read."""
 
     format = "hf"
 
@@ -41,7 +41,8 @@ class HFModel:
         self.path = Path(path)
         if not self.path.is_dir():
             raise ModelFileError(f"{self.path}: not a directory")
-        self.config = self._config(read_json(self.path / "config.json"))
+        self.metadata = read_json(self.path / "config.json")
+        self.config = self._config(self.metadata)
         self._shards = self._shard_files()
         self._index: dict[str, tuple[Path, TensorInfo]] = {}
         for shard in self._shards:
@@ -149,9 +150,6 @@ class HFModel:
                 return f.get_tensor(name).float()
         except Exception as e:  # safetensors raises SafetensorError for truncated data
             raise ModelFileError(f"{shard}: cannot read tensor {name!r}: {e}") from e
-
-    def load_tokenizer(self) -> Tokenizer:
-        return Tokenizer.from_hf_dir(self.path)
 
 
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}

@@ -1,4 +1,4 @@
-"""Compute kernels: the native CPU extension `churon._cpu` and its plain-PyTorch references.
+"""Compute kernels: the native CPU extension `churon._cpu`, its tensor wrappers and its ground truth.
 
     from churon import kernels
     if kernels.native_available():
@@ -7,7 +7,8 @@
         print(kernels.reason)          # why not: not built, failed to load, ...
 
 `churon._cpu` is built by the package build from src/churon/kernels/cpu/ (setup.py); it is
-optional, and everything has a reference in churon.kernels.reference.
+optional. churon.kernels.ground_truth states each kernel's math in plain PyTorch (what the kernels
+are tested against). This package is a leaf: it imports nothing else of churon.
 
 The raw API (all tensors float32 and C-contiguous unless said; pointers are ints from
 `tensor.data_ptr()`; the caller keeps the tensors alive and correctly sized):
@@ -40,7 +41,7 @@ The raw API (all tensors float32 and C-contiguous unless said; pointers are ints
 churon.kernels.ops wraps the same calls for torch tensors, with checks.
 
 Numerics: weights are repacked at construction (16 rows interleaved, see cpu/common.h);
-activations are quantized on the fly to 8 bits per 32 values (reference.quantize_activations,
+activations are quantized on the fly to 8 bits per 32 values (ground_truth.quantize_activations,
 bitwise) and multiplied with integer dot products (AVX-512 VNNI, AVX2 maddubs, or scalar).
 Every output row is computed by the same operations whatever the thread count, the rows it is
 batched with (M) or the thread that runs it: results are batch-invariant and reproducible.

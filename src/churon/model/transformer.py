@@ -2,7 +2,7 @@
 
 Weights come in as a dict with the canonical names listed by `expected_weight_shapes`
 (Hugging Face's names without the "model." prefix), as GGUF bytes or float tensors; the
-backend (churon.kernels.backend) turns them into what its kernels read. The forward pass
+backend (churon.model.backend) turns them into what its kernels read. The forward pass
 reads top to bottom in `Transformer.forward_batch` and, for each layer, `DecoderBlock.__call__`.
 """
 
@@ -11,10 +11,11 @@ from __future__ import annotations
 import torch
 
 from churon.config import ModelConfig
-from churon.kernels.backend import NativeBackend, RawWeight, ReferenceBackend, dense
-from churon.kv_cache import PagedKVCache, SequenceKVCache
+from churon.model.backend import Backend, KVCache, SequenceCache
 from churon.model.batch import ForwardBatch, SequenceChunk
-from churon.model.layers import LayerWeights, rope_inv_freq, rope_tables
+from churon.model.reference_backend import ReferenceBackend
+from churon.model.rope import rope_inv_freq, rope_tables
+from churon.model.weights import LayerWeights, RawWeight, dense
 
 
 def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -49,7 +50,7 @@ class Transformer:
         self,
         config: ModelConfig,
         weights: dict[str, RawWeight],
-        backend: ReferenceBackend | NativeBackend | None = None,
+        backend: Backend | None = None,
     ):
         """weights: canonical name -> GGUF tensor or float tensor.
 
@@ -75,11 +76,7 @@ class Transformer:
                     objects[id(w)] = w
         return sum(w.nbytes for w in objects.values())  # torch tensors and native matrices alike
 
-    def new_cache(self, max_tokens: int | None = None) -> SequenceKVCache:
-        """A KV cache for one sequence of up to max_tokens (default: the context length)."""
-        return SequenceKVCache(self.config, max_tokens or self.config.context_length, dtype=self.kv_dtype)
-
-    def __call__(self, tokens: torch.Tensor, start: int, cache: SequenceKVCache, all_logits: bool = False) -> torch.Tensor:
+    def __call__(self, tokens: torch.Tensor, start: int, cache: SequenceCache, all_logits: bool = False) -> torch.Tensor:
         """One sequence: run tokens ([n] ids at positions start..start+n-1) and return float32 logits.
 
         Only the last position's logits ([1, vocab]) unless all_logits ([n, vocab]).
@@ -92,7 +89,7 @@ class Transformer:
         return self.forward_batch(ForwardBatch.build([chunk], cache.block_size), cache)
 
     @torch.inference_mode()
-    def forward_batch(self, batch: ForwardBatch, cache: PagedKVCache) -> torch.Tensor:
+    def forward_batch(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
         """Run a step of many sequences; float32 logits of the rows batch.logits_indices names."""
         b, eps = self.backend, self.config.rms_norm_eps
         x = b.embedding(self.embed_tokens, batch.input_ids)  # the residual stream, [tokens, hidden]
@@ -111,7 +108,7 @@ class DecoderBlock:
     layer's weights come with each call, so a caller holding one layer at a time (quantization's
     calibration) runs the same code as the whole model."""
 
-    def __init__(self, config: ModelConfig, backend: ReferenceBackend | NativeBackend,
+    def __init__(self, config: ModelConfig, backend: Backend,
                  freq_factors: torch.Tensor | None = None):
         """freq_factors: per-dimension RoPE frequency divisors (GGUF's rope_freqs.weight, Llama 3 scaling)."""
         self.config = config
@@ -123,7 +120,7 @@ class DecoderBlock:
         self.heads = (c.num_heads, c.num_kv_heads, c.head_dim)
 
     def __call__(self, layer: LayerWeights, x: torch.Tensor, h: torch.Tensor, batch: ForwardBatch,
-                 cache: PagedKVCache, cache_layer: int) -> torch.Tensor:
+                 cache: KVCache, cache_layer: int) -> torch.Tensor:
         """x: the residual stream [tokens, hidden]; h: x after the layer's input norm. Adds the attention's
         output to x in place and returns the MLP's output (for the caller to add, fused with the next norm).
         K and V go to the cache's layer cache_layer."""

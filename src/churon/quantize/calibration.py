@@ -27,14 +27,14 @@ import torch
 from tqdm import tqdm
 
 from churon.evaluation import text_windows
-from churon.formats.gguf import GGUFModel
-from churon.formats.hf import HFModel
-from churon.kernels.backend import ReferenceBackend
-from churon.kv_cache import SequenceKVCache
+from churon.engine.kv_cache import SequenceKVCache
+from churon.formats.source import ModelSource
 from churon.model.batch import ForwardBatch, SequenceChunk
-from churon.model.layers import LayerWeights
+from churon.model.reference_backend import ReferenceBackend
 from churon.model.transformer import DecoderBlock
+from churon.model.weights import LayerWeights
 from churon.quantize.source import SourceTensors
+from churon.tokenizer import load_tokenizer
 
 DEFAULT_CTX = 512
 
@@ -98,12 +98,12 @@ def _attach_stats(layer: LayerWeights, index: int, backend: _RecordingBackend, h
 
 
 def calibration_windows(
-    source: GGUFModel | HFModel, text: str, ctx: int = DEFAULT_CTX, max_windows: int | None = None
+    source: ModelSource, text: str, ctx: int = DEFAULT_CTX, max_windows: int | None = None
 ) -> list[list[int]]:
     """The text's tokens in consecutive windows of ctx tokens (BOS first where the model adds one);
     ctx is capped at the model's context length."""
     ctx = min(ctx, source.config.context_length)
-    tokenizer = source.load_tokenizer()
+    tokenizer = load_tokenizer(source)
     tokens = tokenizer.encode(text, add_bos=False)
     windows = text_windows(tokens, ctx, max_windows, bos_id=tokenizer.bos_id if tokenizer.add_bos else None)
     if not windows:
@@ -154,7 +154,7 @@ def calibrate_layerwise(
 
 
 def collect_stats(
-    model_source: GGUFModel | HFModel,
+    model_source: ModelSource,
     texts_or_windows: str | Sequence[Sequence[int]],
     hessian: bool,
     progress: bool = True,

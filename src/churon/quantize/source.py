@@ -16,10 +16,11 @@ from churon.formats.gguf import GGUFModel, canonical_name, from_llama_cpp_layout
 from churon.formats.gguf_writer import gguf_tensor_name, llama3_rope_freqs, permuted_heads, to_llama_cpp_layout
 from churon.formats.hf import HFModel
 from churon.formats.quants import dequantize
+from churon.formats.source import ModelSource
 
 
 class SourceTensors:
-    def __init__(self, source: GGUFModel | HFModel):
+    def __init__(self, source: ModelSource):
         self.source = source
         self.config = source.config
         self.shapes: dict[str, tuple[int, ...]] = {}

@@ -21,8 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from churon.async_engine import AsyncLLMEngine
-from churon.engine import check_prompt
+from churon.engine.async_engine import AsyncLLMEngine
 from churon.errors import ContextLengthError
 from churon.llm import LLM
 from churon.sampling import SamplingParams
@@ -321,7 +320,7 @@ def _prompts(prompt, llm: LLM) -> list[tuple[list[int], str]]:
 
 def _check_prompt(llm: LLM, ids: list[int]) -> None:
     try:
-        check_prompt(ids, llm.config.vocab_size, llm.engine.context_length)
+        llm.engine.check_prompt(ids)
     except ContextLengthError as e:
         raise APIError(400, str(e), param="prompt", code="context_length_exceeded")
     except ValueError as e:

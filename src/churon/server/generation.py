@@ -14,7 +14,7 @@ from typing import AsyncIterator
 
 from starlette.requests import Request
 
-from churon.async_engine import AsyncLLMEngine
+from churon.engine.async_engine import AsyncLLMEngine
 from churon.engine import CompletionOutput, Delta
 from churon.sampling import SamplingParams
 from churon.server.metrics import ServerMetrics

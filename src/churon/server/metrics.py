@@ -12,6 +12,8 @@ import bisect
 import math
 from collections import Counter
 
+from churon.engine import EngineStats
+
 # seconds; the spread a CPU engine shows, from a fast decode step to a long queue
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 
@@ -47,7 +49,7 @@ class ServerMetrics:
         self.time_to_first_token = Histogram()
         self.inter_token_latency = Histogram()
 
-    def render(self, engine_stats: dict[str, float] | None) -> str:
+    def render(self, engine_stats: EngineStats | None) -> str:
         """The exposition text; engine_stats (AsyncLLMEngine.stats()) is None while the model loads."""
         lines: list[str] = []
 
@@ -69,15 +71,15 @@ class ServerMetrics:
         if engine_stats is not None:
             s = engine_stats
             family("churon_num_requests_running", "gauge", "Requests in the running batch.",
-                   [f"churon_num_requests_running {s['running']}"])
+                   [f"churon_num_requests_running {s.running}"])
             family("churon_num_requests_waiting", "gauge", "Requests queued for the running batch.",
-                   [f"churon_num_requests_waiting {s['waiting']}"])
+                   [f"churon_num_requests_waiting {s.waiting}"])
             family("churon_kv_cache_usage_ratio", "gauge", "Fraction of KV-cache blocks held by requests (0..1).",
-                   [f"churon_kv_cache_usage_ratio {_number(s['kv_cache_usage'])}"])
+                   [f"churon_kv_cache_usage_ratio {_number(s.kv_cache_usage)}"])
             family("churon_prefix_cache_hit_rate", "gauge", "Prefix-cache hits over looked-up prompt tokens since start.",
-                   [f"churon_prefix_cache_hit_rate {_number(s['prefix_cache_hit_rate'])}"])
+                   [f"churon_prefix_cache_hit_rate {_number(s.prefix_cache_hit_rate)}"])
             family("churon_num_preemptions_total", "counter", "Requests preempted to free KV-cache blocks.",
-                   [f"churon_num_preemptions_total {s['preemptions']}"])
+                   [f"churon_num_preemptions_total {s.preemptions}"])
         return "\n".join(lines) + "\n"
 
 

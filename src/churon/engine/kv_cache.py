@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from churon.config import KV_DTYPE_CHOICES, ModelConfig
+from churon.model.transformer import Transformer
 
 KV_DTYPES = {name: getattr(torch, name) for name in KV_DTYPE_CHOICES}
 KV_DTYPE_NAMES = {dtype: name for name, dtype in KV_DTYPES.items()}
@@ -85,3 +86,8 @@ class SequenceKVCache(PagedKVCache):
         super().__init__(config, -(-max_tokens // block_size), block_size, dtype)
         self.max_tokens = max_tokens
         self.block_table = list(range(self.num_blocks))
+
+    @classmethod
+    def for_model(cls, model: Transformer, max_tokens: int | None = None) -> "SequenceKVCache":
+        """A cache for one sequence of up to max_tokens (default: the context length) in the model's KV dtype."""
+        return cls(model.config, max_tokens or model.config.context_length, dtype=model.kv_dtype)

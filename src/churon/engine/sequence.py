@@ -10,6 +10,11 @@ through the model are token_ids[num_computed_tokens:]:
 
 After a preemption the sequence gives its blocks back and starts over: num_computed_tokens
 is 0 again and the next prefill recomputes prompt and generated tokens together.
+
+A sequence also carries when it ends on a token: a stop token (its params' stop_token_ids, and
+the model's end-of-generation ids unless params.ignore_eos) ends it without becoming part of it;
+max_tokens generated tokens end it too. Stop strings need the text: the engine's output stage
+checks them.
 """
 
 from __future__ import annotations
@@ -38,8 +43,8 @@ class Sequence:
     seq_id: unique; increasing ids mean later arrival (the scheduler's preemption order).
         Taken from a process-wide counter unless the caller gives one.
     block_table: KV block ids; block i holds tokens [i * block_size, (i + 1) * block_size).
-    num_computed_tokens: leading tokens whose K/V are in the cache. The engine adds each
-        step's scheduled token count after the runner wrote them.
+    num_computed_tokens: leading tokens whose K/V are in the cache; the block manager counts
+        them (allocation, commit after each step, free).
     num_cached_tokens: how many leading tokens the last allocation took from the prefix
         cache (metrics; the block manager sets it).
     block_hashes: chained hashes of the sequence's full blocks, a memo the block manager
@@ -53,7 +58,11 @@ class Sequence:
         *,
         seq_id: int | None = None,
         arrival_time: float | None = None,
+        eos_token_ids: Iterable[int] = (),
+        max_tokens: int | None = None,
     ):
+        """eos_token_ids: the model's end-of-generation ids. max_tokens: the most tokens to generate
+        (default params.max_tokens; the engine lowers it to what the context leaves)."""
         self.prompt_token_ids: list[int] = [int(t) for t in prompt_token_ids]
         if not self.prompt_token_ids:
             raise ValueError("a sequence needs at least one prompt token")
@@ -61,6 +70,9 @@ class Sequence:
         self.token_ids: list[int] = list(self.prompt_token_ids)
         self.num_prompt_tokens: int = len(self.prompt_token_ids)
         self.params: SamplingParams = params if params is not None else SamplingParams()
+        eos = frozenset() if self.params.ignore_eos else frozenset(int(t) for t in eos_token_ids)
+        self.stop_token_ids: frozenset[int] = frozenset(self.params.stop_token_ids) | eos
+        self.max_tokens: int = self.params.max_tokens if max_tokens is None else max_tokens
         self.arrival_time: float = time.monotonic() if arrival_time is None else arrival_time
         self.status: SequenceStatus = SequenceStatus.WAITING
         self.finish_reason: FinishReason | None = None

@@ -13,7 +13,8 @@ import threading
 from collections import deque
 from typing import AsyncIterator, Sequence
 
-from churon.engine import Delta, LLMEngine
+from churon.engine.core import LLMEngine
+from churon.engine.output import Delta, EngineStats
 from churon.sampling import SamplingParams
 
 
@@ -79,20 +80,10 @@ class AsyncLLMEngine:
         else:
             self._pending_aborts.append(request_id)  # the engine thread takes it before its next step
 
-    def stats(self) -> dict[str, float]:
-        """A consistent snapshot of the engine's counters (for /metrics)."""
+    def stats(self) -> EngineStats:
+        """A consistent snapshot of the engine's counters (for /metrics); waits for a running step."""
         with self._lock:
-            e = self.engine
-            bm = e.block_manager
-            return {
-                "running": e.scheduler.num_running,
-                "waiting": e.scheduler.num_waiting,
-                "kv_cache_usage": bm.usage,
-                "prefix_cache_hit_rate": bm.hit_rate,
-                "prefix_cache_hit_blocks": bm.num_hit_blocks,
-                "prefix_cache_miss_blocks": bm.num_miss_blocks,
-                "preemptions": e.scheduler.num_preemptions,
-            }
+            return self.engine.stats()
 
     def shutdown(self) -> None:
         with self._work:

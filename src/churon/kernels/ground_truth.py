@@ -1,7 +1,9 @@
-"""Plain-PyTorch versions of the native CPU kernels: the ground truth they are tested against.
+"""The ground truth of each native CPU kernel: its math in the most direct PyTorch code, what the kernel
+is tested against, with the same argument conventions as the tensor-level wrappers in
+churon.kernels.ops (tensors, not pointers).
 
-Each function here states the math of its kernel in the most direct torch code, with the same
-argument conventions as the tensor-level wrappers in churon.kernels.ops (tensors, not pointers).
+GGUF weights are dequantized here by the gguf package's own numpy code, not by churon's loader: the
+kernels are held against an implementation that shares nothing with them.
 """
 
 from __future__ import annotations
@@ -9,9 +11,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 import torch.nn.functional as F
+import gguf.quants
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
-from churon.formats.quants import dequantize
 
 Q8_BLOCK = 32  # activations are quantized per 32 values
 
@@ -40,10 +41,18 @@ def random_weight_bytes(qtype: GGMLQuantizationType, rows: int, cols: int, rng: 
 # quantized matmul
 
 
+def dequantize(raw: np.ndarray, qtype: GGMLQuantizationType | int, rows: int, cols: int) -> torch.Tensor:
+    """A GGUF weight's bytes as float32 [rows, cols]."""
+    qtype = GGMLQuantizationType(int(qtype))
+    block, size = GGML_QUANT_SIZES[qtype]
+    data = np.asarray(raw, dtype=np.uint8).reshape(rows, cols // block * size)
+    return torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(data, qtype), dtype=np.float32))
+
+
 def qmatmul(raw: np.ndarray, qtype: GGMLQuantizationType | int, rows: int, cols: int, x: torch.Tensor,
             bias: torch.Tensor | None = None) -> torch.Tensor:
     """y[m, rows] = x[m, cols] @ W.T (+ bias), W the dequantized GGUF weight, float32."""
-    w = dequantize(raw, GGMLQuantizationType(int(qtype)), (rows, cols))
+    w = dequantize(raw, qtype, rows, cols)
     y = x.float() @ w.T
     return y + bias if bias is not None else y
 
@@ -83,7 +92,7 @@ def qmatmul_q8(raw: np.ndarray, qtype: GGMLQuantizationType | int, rows: int, co
     """What the integer kernels compute, in float64: the 8-bit activations of
     `quantize_activations` against the dequantized weight. The kernels differ from this only by
     float32 rounding of per-block scale products and of the accumulation."""
-    w = dequantize(raw, GGMLQuantizationType(int(qtype)), (rows, cols)).double()
+    w = dequantize(raw, qtype, rows, cols).double()
     return dequantize_activations(*quantize_activations(x)) @ w.T
 
 
@@ -92,7 +101,7 @@ def qmatmul_q8(raw: np.ndarray, qtype: GGMLQuantizationType | int, rows: int, co
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """As churon.model.layers.RMSNorm: weight * (x * rsqrt(mean(x^2) + eps))."""
+    """weight * (x * rsqrt(mean(x^2) + eps)), in float32."""
     h = x.float()
     return weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps))
 
@@ -104,7 +113,7 @@ def add_rms_norm(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, 
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE (churon.model.layers.RotaryEmbedding) of x [m, heads, head_dim] at
+    """Rotate-half RoPE (the Hugging Face / NeoX layout) of x [m, heads, head_dim] at
     positions [m], with tables cos/sin [max_pos, head_dim]."""
     c = cos[positions].unsqueeze(1)
     s = sin[positions].unsqueeze(1)

@@ -31,7 +31,7 @@ from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from churon.sequence import Sequence
+from churon.engine.sequence import Sequence
 
 
 def hash_block(parent_hash: int | None, token_ids: "list[int] | tuple[int, ...]") -> int:
@@ -55,8 +55,8 @@ class BlockManager:
 
     Sequences in the WAITING state hold no blocks; a sequence's first allocation (empty
     block table) first takes the longest chain of cached full blocks matching its tokens.
-    The engine's part: after each step bump seq.num_computed_tokens, then call commit(seq);
-    call free(seq) when a sequence finishes, is aborted or preempted.
+    After each step the scheduler commits the tokens each sequence computed; free(seq) when
+    a sequence finishes, is aborted or preempted.
     """
 
     def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True):
@@ -171,13 +171,17 @@ class BlockManager:
             seq.block_table.append(self._take_fresh_block())
         return True
 
-    def commit(self, seq: Sequence) -> None:
-        """Register seq's newly full, computed blocks in the prefix cache.
+    def commit(self, seq: Sequence, num_new_tokens: int) -> None:
+        """The runner wrote the K/V of seq's next num_new_tokens tokens: count them computed, and
+        register seq's newly full blocks in the prefix cache.
 
-        Call after the runner wrote the K/V of seq's new tokens and seq.num_computed_tokens
-        was bumped. A block whose prefix another block already holds stays private (it is
-        dropped from the cache when freed).
+        A block whose prefix another block already holds stays private (it is dropped from the
+        cache when freed).
         """
+        end = seq.num_computed_tokens + num_new_tokens
+        if num_new_tokens < 1 or end > min(seq.num_tokens, len(seq.block_table) * self.block_size):
+            raise ValueError(f"{seq!r}: cannot commit {num_new_tokens} more tokens (beyond its tokens or its blocks)")
+        seq.num_computed_tokens += num_new_tokens
         if not self.enable_prefix_caching:
             return
         start = self._num_committed.get(seq.seq_id, 0)

@@ -13,7 +13,7 @@ import torch
 
 from churon.config import EngineConfig, ModelConfig
 from churon.errors import ChuronError
-from churon.kv_cache import kv_bytes_per_token
+from churon.engine.kv_cache import kv_bytes_per_token
 
 FP32 = 4
 

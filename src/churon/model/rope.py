@@ -1,21 +1,13 @@
-"""The weights of one decoder layer, and RoPE's frequencies.
-
-The arithmetic lives in the backend (churon.kernels.backend); this module decides which
-weights each layer holds and fuses q/k/v and gate/up into one matrix each, so a layer costs
-three matmuls on the way in and two on the way out.
-"""
+"""Rotary position embeddings: the inverse frequencies (with the model's scaling) and the cos/sin tables."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from churon.config import ModelConfig
 from churon.errors import UnsupportedModelError
-from churon.kernels.backend import RawWeight, concat_rows, dense
 
 
 def rope_inv_freq(config: ModelConfig, freq_factors: torch.Tensor | None = None) -> torch.Tensor:
@@ -51,39 +43,3 @@ def rope_tables(inv_freq: torch.Tensor, max_positions: int) -> tuple[torch.Tenso
     freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq.float())
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos().contiguous(), emb.sin().contiguous()
-
-
-@dataclass
-class LayerWeights:
-    input_norm: Any
-    qkv: Any  # q, k and v projections stacked by rows
-    qkv_bias: Any | None  # Qwen2
-    q_norm: Any | None  # Qwen3: RMSNorm over each head of q and k
-    k_norm: Any | None
-    o: Any
-    post_norm: Any
-    gate_up: Any  # gate and up projections stacked by rows
-    down: Any
-
-    @classmethod
-    def build(cls, config: ModelConfig, layer: int, weights: dict[str, RawWeight], backend) -> "LayerWeights":
-        p = f"layers.{layer}."
-        a, m = p + "self_attn.", p + "mlp."
-        qkv_bias = None
-        if config.attention_bias:
-            qkv_bias = torch.cat([dense(weights[a + f"{x}_proj.bias"]) for x in "qkv"])
-            qkv_bias = backend.vector(qkv_bias)
-        q_norm = k_norm = None
-        if config.qk_norm:
-            q_norm, k_norm = backend.vector(weights[a + "q_norm.weight"]), backend.vector(weights[a + "k_norm.weight"])
-        return cls(
-            input_norm=backend.vector(weights[p + "input_layernorm.weight"]),
-            qkv=backend.matrix(concat_rows([weights[a + f"{x}_proj.weight"] for x in "qkv"])),
-            qkv_bias=qkv_bias,
-            q_norm=q_norm,
-            k_norm=k_norm,
-            o=backend.matrix(weights[a + "o_proj.weight"]),
-            post_norm=backend.vector(weights[p + "post_attention_layernorm.weight"]),
-            gate_up=backend.matrix(concat_rows([weights[m + "gate_proj.weight"], weights[m + "up_proj.weight"]])),
-            down=backend.matrix(weights[m + "down_proj.weight"]),
-        )

@@ -18,9 +18,9 @@ A sequence that asks for prompt logprobs returns a row of logits for every promp
 (vocabulary-wide: 2048 rows of a 152k vocabulary are 1.2 GB); with chunked prefill, all such
 sequences together run at most max_prompt_logits_rows prompt tokens per step.
 
-The engine's part, after the runner executed a SchedulerOutput: for each scheduled seq,
-seq.num_computed_tokens += num_tokens, block_manager.commit(seq); when the sequence has no
-uncomputed tokens left, append the sampled token (or call finish()).
+After the runner executed a step, update_from_output takes what it computed: every scheduled
+sequence's tokens count as computed (their full blocks enter the prefix cache), each sampled
+token is appended, and a sequence ending on a stop token or at max_tokens is finished.
 """
 
 from __future__ import annotations
@@ -28,10 +28,11 @@ from __future__ import annotations
 import bisect
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Mapping
 
-from churon.block_manager import BlockManager
+from churon.engine.block_manager import BlockManager
 from churon.errors import ChuronError
-from churon.sequence import FinishReason, Sequence, SequenceStatus
+from churon.engine.sequence import FinishReason, Sequence, SequenceStatus
 
 
 class CacheCapacityError(ChuronError, RuntimeError):
@@ -149,6 +150,23 @@ class Scheduler:
             return False
         self.finish(seq, "abort")
         return True
+
+    def update_from_output(self, out: SchedulerOutput, sampled: Mapping[int, int]) -> None:
+        """After the step `out` ran: its tokens are computed, and sampled (seq_id -> token id, one for
+        each sequence that sampled) extends the sequences. A stop token finishes its sequence with
+        "stop" without joining it; reaching seq.max_tokens finishes it with "length"."""
+        for s in out.scheduled:
+            seq = s.seq
+            self.block_manager.commit(seq, s.num_tokens)
+            token = sampled.get(seq.seq_id)
+            if token is None:
+                continue
+            if token in seq.stop_token_ids:
+                self.finish(seq, "stop")
+                continue
+            seq.append_token(token)
+            if seq.num_output_tokens >= seq.max_tokens:
+                self.finish(seq, "length")
 
     # -- scheduling --------------------------------------------------------------------
 

@@ -1,0 +1,199 @@
+"""LLMEngine: many requests at once over a paged KV cache (continuous batching).
+
+One step is the pipeline, in order:
+
+    schedule  the scheduler picks the sequences and how many tokens each runs
+    execute   the runner builds the batch and runs the model; each request samples its token
+    update    the scheduler counts the computed tokens, commits full blocks to the prefix cache,
+              appends the sampled tokens and finishes sequences on stop tokens and max_tokens
+    output    each request's detokenizer turns its token into text and finds stop strings;
+              the step's deltas
+
+Prompt logprobs need the logits of every prompt position: such a request's prefill chunks return
+all their rows, and it never takes prefix-cache hits (a cached position has no logits).
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, Sequence
+
+from tqdm import tqdm
+
+from churon.config import EngineConfig
+from churon.engine.block_manager import BlockManager
+from churon.engine.kv_cache import PagedKVCache
+from churon.engine.memory import plan_memory
+from churon.engine.output import CompletionOutput, Delta, EngineStats
+from churon.engine.request import Request
+from churon.engine.runner import ModelRunner
+from churon.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
+from churon.engine.sequence import Sequence as Seq
+from churon.errors import ContextLengthError
+from churon.model.transformer import Transformer
+from churon.sampling import SamplingParams
+from churon.structured import StructuredOutput
+from churon.tokenizer import Tokenizer
+
+# Logits of prompt tokens one step may return for prompt logprobs (with chunked prefill): the rows
+# of a prompt chunk are vocabulary-wide float32.
+PROMPT_LOGITS_BYTES = 128 << 20
+
+
+class LLMEngine:
+    """Continuous batching over a paged KV cache. Not thread-safe: one caller drives step()."""
+
+    def __init__(self, model: Transformer, tokenizer: Tokenizer, config: EngineConfig | None = None):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config or EngineConfig()
+        self.model_config = model.config
+        self.context_length = min(self.model_config.context_length, self.config.max_model_len or 1 << 62)
+        kv_dtype = self.config.kv_torch_dtype(model.kv_dtype)
+        self.memory_plan = plan_memory(
+            self.model_config, model.weight_bytes(), self.config, self.context_length, kv_dtype
+        )
+        self.cache = PagedKVCache(self.model_config, self.memory_plan.num_blocks, self.config.block_size, kv_dtype)
+        self.block_manager = BlockManager(self.memory_plan.num_blocks, self.config.block_size, self.config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.block_manager, self.config.max_num_seqs, self.config.max_num_batched_tokens, self.config.enable_chunked_prefill,
+            max_prompt_logits_rows=max(1, PROMPT_LOGITS_BYTES // (4 * self.model_config.vocab_size)),
+        )
+        self.runner = ModelRunner(model, self.cache)
+        self.structured_output = StructuredOutput(tokenizer, self.model_config.vocab_size)
+        self.requests: dict[int, Request] = {}
+
+    def check_prompt(self, prompt_ids: Sequence[int]) -> None:
+        """Raise ValueError (ContextLengthError when too long) for a prompt this engine can never run."""
+        if len(prompt_ids) == 0:
+            raise ValueError("the prompt is empty: give at least one token")
+        vocab_size = self.model_config.vocab_size
+        bad = [t for t in prompt_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})")
+        if len(prompt_ids) >= self.context_length:
+            raise ContextLengthError(
+                f"the prompt has {len(prompt_ids)} tokens but the context window is {self.context_length} tokens;"
+                " shorten the prompt (nothing was truncated)"
+            )
+
+    def add_request(self, prompt_ids: Sequence[int], params: SamplingParams | None = None) -> int:
+        """Queue a request; returns its id. Raises at once for a prompt that can never run."""
+        params = params or SamplingParams()
+        prompt_ids = [int(t) for t in prompt_ids]
+        self.check_prompt(prompt_ids)
+        grammar = None if params.json_schema is None else self.structured_output.grammar(params.json_schema)
+        max_new = min(params.max_tokens, self.context_length - len(prompt_ids))
+        seq = Seq(prompt_ids, params, eos_token_ids=self.tokenizer.eog_ids, max_tokens=max_new)
+        request = Request(seq, self.tokenizer, self.model_config.vocab_size, grammar)
+        total = len(prompt_ids) + max_new
+        if not self.scheduler.can_ever_fit(total, len(prompt_ids)):
+            capacity = self.memory_plan.num_blocks * self.config.block_size
+            raise ContextLengthError(
+                f"the request needs up to {total} tokens of KV cache ({len(prompt_ids)} prompt + {max_new} new)"
+                f" but the whole cache holds {capacity} tokens; lower max_tokens or give the engine more kv_cache_memory"
+            )
+        self.requests[seq.seq_id] = request
+        self.scheduler.add(seq)
+        return seq.seq_id
+
+    def abort(self, request_id: int) -> bool:
+        """Stop a request now and free its KV blocks. False if it is unknown or already finished."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return False
+        self.scheduler.abort(request_id)
+        request.output.finish_reason = "abort"
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def stats(self) -> EngineStats:
+        bm, sched = self.block_manager, self.scheduler
+        return EngineStats(
+            running=sched.num_running,
+            waiting=sched.num_waiting,
+            kv_cache_usage=bm.usage,
+            prefix_cache_hit_rate=bm.hit_rate,
+            prefix_cache_hit_blocks=bm.num_hit_blocks,
+            prefix_cache_miss_blocks=bm.num_miss_blocks,
+            preemptions=sched.num_preemptions,
+        )
+
+    def step(self) -> list[Delta]:
+        """One step of the pipeline; the deltas of every request that produced a token."""
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        sampled = self._execute(out)
+        self.scheduler.update_from_output(out, sampled)
+        return self._output(sampled)
+
+    def _execute(self, out: SchedulerOutput) -> dict[int, int]:
+        """Run the model on the scheduled tokens; seq_id -> the token each sampling request drew."""
+        all_rows = [self._needs_all_logits(s) for s in out.scheduled]
+        logits = self.runner.execute(out.scheduled, all_rows)
+        sampled = {}
+        row = 0
+        for s, all_logits in zip(out.scheduled, all_rows):
+            num_rows = s.num_tokens if all_logits else int(s.sample)
+            rows = logits[row : row + num_rows]
+            row += num_rows
+            request = self.requests[s.seq.seq_id]
+            if all_logits:
+                request.on_prompt_logits(rows, s.start)
+            if s.sample:
+                sampled[s.seq.seq_id] = request.sample(rows[-1])
+        return sampled
+
+    def _output(self, sampled: dict[int, int]) -> list[Delta]:
+        deltas = []
+        for seq_id, token in sampled.items():
+            request = self.requests[seq_id]
+            delta = request.on_token(token)
+            if delta.finish_reason is not None:
+                if not request.seq.is_finished:  # a stop string, or a complete structured-output value
+                    self.scheduler.finish(request.seq, "stop")
+                del self.requests[seq_id]
+            deltas.append(delta)
+        return deltas
+
+    def _needs_all_logits(self, s: ScheduledSeq) -> bool:
+        return self.requests[s.seq.seq_id].needs_prompt_logits and s.start < s.seq.num_prompt_tokens - 1
+
+    def stream(self, prompt_ids: Sequence[int], params: SamplingParams | None = None) -> Iterator[Delta]:
+        """One request's deltas as they come (requests already queued progress alongside)."""
+        request_id = self.add_request(prompt_ids, params)
+        try:
+            while True:
+                for delta in self.step():
+                    if delta.request_id == request_id:
+                        yield delta
+                        if delta.finish_reason is not None:
+                            return
+        finally:
+            self.abort(request_id)  # the caller stopped early (Ctrl-C, break): free its blocks
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams], use_tqdm: bool = False
+    ) -> list[CompletionOutput]:
+        """Run every prompt to completion in continuous batches; outputs in prompt order."""
+        all_params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(all_params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(all_params)} sampling parameters")
+        ids: list[int] = []
+        try:
+            for p, sp in zip(prompts, all_params):
+                ids.append(self.add_request(p, sp))
+        except Exception:  # a bad prompt: the ones queued before it do not stay behind
+            for i in ids:
+                self.abort(i)
+            raise
+        outputs: dict[int, CompletionOutput] = {}
+        with tqdm(total=len(ids), desc="generating", unit="req", disable=not use_tqdm) as bar:
+            while len(outputs) < len(ids):
+                for delta in self.step():
+                    if delta.finish_reason is not None:
+                        outputs[delta.request_id] = delta.output
+                        bar.update(1)
+        return [outputs[i] for i in ids]

@@ -1,0 +1,109 @@
+"""Request: one request's state around its Sequence, for the two ends of a step.
+
+Execute: sample() draws the next token from the raw logits row of the sequence's last token, within
+its grammar if it has one, and records prompt logprobs from prefill rows. Output: on_token() turns
+the token the scheduler took (or ended the sequence on) into text through the detokenizer, which
+also finds stop strings, and gives the step's Delta.
+
+A request's tokens depend only on its own prompt, parameters and seed: its sampler and RNG are its
+own, and the kernels compute each token's row the same way whatever else is in the batch.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from churon.engine.output import CompletionOutput, Delta, Metrics, TokenLogprob, token_logprobs
+from churon.engine.sequence import Sequence
+from churon.sampling import Sampler
+from churon.structured import Grammar
+from churon.tokenizer import Detokenizer, Tokenizer
+
+
+class Request:
+    def __init__(self, seq: Sequence, tokenizer: Tokenizer, vocab_size: int, grammar: Grammar | None = None):
+        params = seq.params
+        self.seq = seq
+        self.vocab_size = vocab_size
+        self.sampler = Sampler(params, vocab_size, seq.prompt_token_ids)
+        self.grammar = grammar
+        self.detokenizer = Detokenizer(tokenizer, seq.prompt_token_ids, params.skip_special_tokens, params.stop)
+        self.arrival = time.perf_counter()
+        self.first_token_time: float | None = None
+        self.logprob: TokenLogprob | None = None  # of the token sampled last, when params.logprobs is set
+        self.output = CompletionOutput(
+            "", [], None, seq.prompt_token_ids, Metrics(prompt_tokens=len(seq.prompt_token_ids)), seq.seq_id
+        )
+        if params.logprobs is not None:
+            self.output.logprobs = []
+        if params.prompt_logprobs is not None:
+            self.output.prompt_logprobs = [None]  # filled in position order as prefill chunks run
+
+    # -- execute -----------------------------------------------------------------------
+
+    @property
+    def needs_prompt_logits(self) -> bool:
+        """Some prompt token's logprob is still unknown: its prefill chunks must return every row."""
+        known = self.output.prompt_logprobs
+        return known is not None and len(known) < len(self.seq.prompt_token_ids)
+
+    def on_prompt_logits(self, logits: torch.Tensor, start: int) -> None:
+        """logits: the raw rows of positions start, start + 1, ...; position p's row scores prompt token p + 1."""
+        known, prompt = self.output.prompt_logprobs, self.seq.prompt_token_ids
+        # after a preemption the prompt runs again from 0: positions already scored are skipped
+        first, end = len(known), min(start + logits.shape[0] + 1, len(prompt))
+        if first <= start:  # cannot happen: such a request takes no prefix-cache hits, so chunks run from 0
+            raise RuntimeError(f"request {self.seq.seq_id}: prompt positions {first - 1}..{start - 1} were never scored")
+        if first < end:
+            rows = logits[first - 1 - start : end - 1 - start, : self.vocab_size]
+            known.extend(token_logprobs(rows, prompt[first:end], self.seq.params.prompt_logprobs))
+
+    def sample(self, logits: torch.Tensor) -> int:
+        """The next token from the raw logits row of the last token (within the grammar, if any).
+        A token that continues the sequence (not a stop token) is taken by the penalties' counts and the grammar."""
+        allowed = self.grammar.allowed_tokens() if self.grammar is not None else None
+        token = self.sampler(logits, allowed)
+        num_top = self.seq.params.logprobs
+        self.logprob = None if num_top is None else token_logprobs(logits[None, : self.vocab_size], [token], num_top)[0]
+        if token not in self.seq.stop_token_ids:
+            self.sampler.accept(token)
+            if self.grammar is not None:
+                self.grammar.accept(token)
+        return token
+
+    # -- output ------------------------------------------------------------------------
+
+    def on_token(self, token: int) -> Delta:
+        """The text the sampled token adds, after the scheduler took it. Sets output.finish_reason when the
+        request is done: the scheduler's reason (a stop token, max_tokens), or "stop" for a stop string or
+        a complete structured-output value; the engine finishes the sequence for those two."""
+        out, seq = self.output, self.seq
+        now = time.perf_counter()
+        if self.first_token_time is None:
+            self.first_token_time = now
+            out.metrics.prefill_seconds = now - self.arrival
+            out.metrics.cached_prompt_tokens = seq.num_cached_tokens
+        logprob = self.logprob
+        if token in seq.stop_token_ids:  # ended the request; not part of the output, nor is its logprob
+            out.finish_reason = "stop"
+            logprob = None
+            text = self.detokenizer.finish()
+        else:
+            out.token_ids.append(token)
+            if out.logprobs is not None:
+                out.logprobs.append(logprob)
+            text = self.detokenizer.update(token)
+            if self.detokenizer.stopped or (self.grammar is not None and self.grammar.is_terminated):
+                out.finish_reason = "stop"
+            elif seq.is_finished:  # max_tokens
+                out.finish_reason = seq.finish_reason
+            if out.finish_reason is not None and not self.detokenizer.stopped:
+                text += self.detokenizer.finish()
+                if self.detokenizer.stopped:
+                    out.finish_reason = "stop"
+        out.text += text
+        out.metrics.generated_tokens = len(out.token_ids)
+        out.metrics.decode_seconds = now - self.first_token_time
+        return Delta(out.request_id, text, token, out.finish_reason, out, logprob)

@@ -1,0 +1,101 @@
+"""The operations the transformer is written against (the Backend protocol), and the choice of backend.
+
+    ReferenceBackend  plain PyTorch in float32 (the exact reference path) or bfloat16
+    NativeBackend     churon._cpu: quantized matmuls on 8-bit activations, fused row ops,
+                      block-table attention; float32 activations
+
+A backend turns a loader's weights into what its kernels read (matrix, vector) and runs the step's
+arithmetic on them. It reads and writes the KV cache through the KVCache protocol: the engine owns
+that memory (churon.engine.kv_cache) and passes it in with every step.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Protocol
+
+import torch
+
+from churon import kernels
+from churon.model.batch import ForwardBatch
+from churon.model.native_backend import NativeBackend
+from churon.model.reference_backend import ReferenceBackend
+from churon.model.weights import RawWeight
+
+log = logging.getLogger("churon")
+
+KERNEL_CHOICES = ("auto", "native", "reference")
+
+
+class KVCache(Protocol):
+    """The KV-cache memory as backends see it: per layer, K and V [num_blocks, block_size, kv_heads, head_dim]
+    (int8 caches with float32 scales [num_blocks, block_size, kv_heads]), addressed by slot."""
+
+    k: torch.Tensor  # [layers, num_blocks, block_size, kv_heads, head_dim]
+    v: torch.Tensor
+    k_scale: torch.Tensor | None  # int8 caches only
+    v_scale: torch.Tensor | None
+    block_size: int
+    dtype_name: str  # "float32", "bfloat16", "float16" or "int8"
+
+    def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None: ...
+
+    def read(self, layer: int, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+class SequenceCache(KVCache, Protocol):
+    """One sequence's cache, its block table 0, 1, 2, ... (churon.engine.kv_cache.SequenceKVCache)."""
+
+    max_tokens: int
+    block_table: list[int]
+
+
+class Backend(Protocol):
+    name: str  # "reference" or "native"
+    dtype: torch.dtype  # activations
+    kv_dtype: torch.dtype  # the KV cache's default element type
+
+    def matrix(self, w: RawWeight) -> Any: ...  # a weight matrix as the kernels read it (has .nbytes)
+
+    def vector(self, w: RawWeight) -> torch.Tensor: ...  # a norm weight or bias
+
+    def embedding(self, table: Any, ids: torch.Tensor) -> torch.Tensor: ...
+
+    def linear(self, w: Any, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor: ...
+
+    def linear_precise(self, w: Any, x: torch.Tensor) -> torch.Tensor: ...  # the logits: more precise activations
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
+
+    def add_rms_norm(self, residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """residual += x (in place); returns rms_norm(residual)."""
+        ...
+
+    def rope_and_cache(self, qkv: torch.Tensor, shape: tuple[int, int, int], batch: ForwardBatch, cos: torch.Tensor,
+                       sin: torch.Tensor, cache: KVCache, layer: int) -> torch.Tensor:
+        """RoPE on q and k of qkv [tokens, (heads + 2 kv_heads) * head_dim]; k and v into the cache. Returns q."""
+        ...
+
+    def swiglu(self, gate_up: torch.Tensor) -> torch.Tensor: ...
+
+    def attention(self, q: torch.Tensor, cache: KVCache, layer: int, batch: ForwardBatch, scale: float) -> torch.Tensor:
+        """Causal attention of each sequence's new tokens q [tokens, heads, head_dim] over its cached keys."""
+        ...
+
+
+def make_backend(kernels_choice: str, dtype: torch.dtype) -> Backend:
+    """'auto': native when built and the dtype is float32; otherwise the reference path, said once."""
+    if kernels_choice not in KERNEL_CHOICES:
+        raise ValueError(f"kernels={kernels_choice!r}: must be one of {', '.join(KERNEL_CHOICES)}")
+    if kernels_choice == "reference":
+        return ReferenceBackend(dtype)
+    if dtype != torch.float32:
+        if kernels_choice == "native":
+            raise ValueError(f"the native kernels compute in float32; dtype={dtype} needs kernels='reference'")
+        return ReferenceBackend(dtype)
+    if kernels.cpu is None:
+        if kernels_choice == "native":
+            raise RuntimeError(kernels.reason)
+        log.warning("churon: native CPU kernels unavailable (%s); running the PyTorch reference path", kernels.reason)
+        return ReferenceBackend(dtype)
+    return NativeBackend()

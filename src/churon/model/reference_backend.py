@@ -1,0 +1,104 @@
+"""ReferenceBackend: the backend's operations in plain PyTorch, float32 (the exact reference path) or bfloat16.
+
+PyTorch's float32 GEMM changes its reduction order with the batch size, so this path is exact but
+not batch-invariant (the native backend is both fast and batch-invariant).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from churon.model.batch import ForwardBatch, slots_of
+from churon.model.weights import RawWeight, dense
+
+if TYPE_CHECKING:  # the protocol module imports this one
+    from churon.model.backend import KVCache
+
+
+class ReferenceBackend:
+    name = "reference"
+
+    def __init__(self, dtype: torch.dtype = torch.float32):
+        self.dtype = dtype
+        self.kv_dtype = dtype  # the KV cache keeps the exact activations
+
+    def matrix(self, w: RawWeight) -> torch.Tensor:
+        return dense(w).to(self.dtype)
+
+    def vector(self, w: RawWeight) -> torch.Tensor:
+        return dense(w).to(self.dtype)
+
+    def embedding(self, table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, table)
+
+    def linear(self, w: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return F.linear(x, w, bias)
+
+    def linear_precise(self, w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, w)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        # normalize in fp32 whatever the activation dtype, as the reference implementation does
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * h.to(x.dtype)
+
+    def add_rms_norm(self, residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """residual += x (in place); returns rms_norm(residual)."""
+        residual.add_(x)
+        return self.rms_norm(residual, weight, eps)
+
+    def rope(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate-half RoPE of x [tokens, heads, head_dim]."""
+        c = cos[positions].unsqueeze(1)
+        s = sin[positions].unsqueeze(1)
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return (x.float() * c + rotated.float() * s).to(x.dtype)
+
+    def rope_and_cache(self, qkv: torch.Tensor, shape: tuple[int, int, int], batch: ForwardBatch, cos: torch.Tensor,
+                       sin: torch.Tensor, cache: KVCache, layer: int) -> torch.Tensor:
+        """RoPE on q and k of qkv [tokens, (heads + 2 kv_heads) * head_dim]; k and v into the cache. Returns q."""
+        heads, kv_heads, head_dim = shape
+        n = qkv.shape[0]
+        q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+        q = self.rope(q.view(n, heads, head_dim), batch.positions, cos, sin)
+        k = self.rope(k.view(n, kv_heads, head_dim), batch.positions, cos, sin)
+        cache.write(layer, batch.slot_mapping, k, v.view(n, kv_heads, head_dim))
+        return q
+
+    def swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def attention(self, q: torch.Tensor, cache: KVCache, layer: int, batch: ForwardBatch, scale: float) -> torch.Tensor:
+        """Causal attention of each sequence's new tokens over all its keys, read through its slots.
+
+        q: [tokens, heads, head_dim]. Returns [tokens, heads, head_dim].
+        """
+        out = torch.empty_like(q)
+        heads, kv_heads = q.shape[1], cache.k.shape[3]
+        for i, ctx in enumerate(batch.context_lens):
+            a, b = batch.query_start[i], batch.query_start[i + 1]
+            slots = slots_of(batch.block_tables[i], torch.arange(ctx), cache.block_size)
+            n = b - a
+            k, v = cache.read(layer, slots, q.dtype)
+            out[a:b] = F.scaled_dot_product_attention(
+                q[a:b].transpose(0, 1),
+                k.transpose(0, 1),
+                v.transpose(0, 1),
+                attn_mask=_causal_mask(n, ctx - n) if n > 1 else None,
+                scale=scale,
+                enable_gqa=heads != kv_heads,
+            ).transpose(0, 1)
+        return out
+
+
+def _causal_mask(n: int, start: int) -> torch.Tensor:
+    """Query i (at position start + i) sees keys 0..start + i."""
+    return torch.arange(start + n)[None, :] <= torch.arange(start, start + n)[:, None]
+
+

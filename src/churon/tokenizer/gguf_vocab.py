@@ -1,0 +1,333 @@
+"""A tokenizer from a GGUF file's metadata: what llama.cpp's llama-vocab.cpp builds from the same file.
+
+  tokenizer.ggml.model "gpt2"  byte-level BPE from tokens + merges. The pre-tokenizer is
+                               the list of regexes llama.cpp picks for tokenizer.ggml.pre,
+                               applied one after another (each splits the pieces of the
+                               previous one, matches and gaps both kept), then the GPT-2
+                               byte-to-unicode mapping.
+  tokenizer.ggml.model "llama" SentencePiece-style BPE: spaces escaped to "▁", a "▁" put in
+                               front of every piece of text (the first one, and every one
+                               that follows a special token, as llama.cpp does) when
+                               tokenizer.ggml.add_space_prefix, the whole piece merged at
+                               once with the merge whose result has the best score, unknown
+                               characters as <0xXX> byte tokens.
+
+Control, unknown and user-defined tokens (tokenizer.ggml.token_type 3, 2, 4) are added
+tokens: with parse_special=True the text "<|im_start|>" becomes its one id; with
+parse_special=False control and unknown tokens are plain text, user-defined ones are still
+matched (llama.cpp does the same).
+"""
+
+from __future__ import annotations
+
+import numbers
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
+
+from churon.errors import ModelFileError, UnsupportedModelError
+from churon.tokenizer.byte_level import SPM_SPACE, byte_level_to_bytes
+from churon.tokenizer.core import Tokenizer
+
+# tokenizer.ggml.token_type values (llama.cpp's llama_token_type)
+TOKEN_NORMAL = 1
+TOKEN_UNKNOWN = 2
+TOKEN_CONTROL = 3
+TOKEN_USER_DEFINED = 4
+TOKEN_UNUSED = 5
+TOKEN_BYTE = 6
+
+
+# ---------------------------------------------------------------------------------------
+# Pre-tokenizers for byte-level BPE, copied from llama.cpp's llm_tokenizer_bpe (llama-vocab.cpp).
+# llama.cpp runs the regexes of a list one after another; each splits the pieces produced
+# by the one before, keeping both the matches and the text between them.
+
+_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+_LLAMA3 = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2 = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+@dataclass(frozen=True)
+class _BPEPre:
+    regexes: tuple[str, ...]
+    ignore_merges: bool = False  # a piece that is a whole token is taken as is (llama3)
+    add_bos: bool = False  # llama.cpp's default when tokenizer.ggml.add_bos_token is absent
+
+
+_DEFAULT_PRE = _BPEPre((r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]"))
+_GPT2_PRE = _BPEPre((_GPT2,))
+_DIGITS_GPT2_PRE = _BPEPre((r"\p{N}", _GPT2))
+_LLAMA3_PRE = _BPEPre((_LLAMA3,), ignore_merges=True, add_bos=True)
+_QWEN2_PRE = _BPEPre((_QWEN2,))
+
+BPE_PRE_TOKENIZERS: dict[str, _BPEPre] = {
+    "default": _DEFAULT_PRE,
+    # GPT-2 regex
+    **dict.fromkeys(
+        ["gpt-2", "gpt2", "phi-2", "mpt", "olmo", "jais", "jina-es", "jina-de", "jina-v2-es", "jina-v2-de",
+         "jina-v1-en", "jina-v2-code", "roberta-bpe", "gigachat", "a.x-4.0", "mellum", "modern-bert",
+         "exaone4", "trillion", "granite-docling"],
+        _GPT2_PRE,
+    ),
+    # each digit alone, then the GPT-2 regex
+    **dict.fromkeys(["smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"],
+                    _DIGITS_GPT2_PRE),
+    # Llama 3
+    **dict.fromkeys(["llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2"],
+                    _LLAMA3_PRE),
+    **dict.fromkeys(["dbrx", "smaug-bpe"], _BPEPre((_LLAMA3,))),
+    # Qwen2: the Llama 3 regex with single digits
+    **dict.fromkeys(["qwen2", "deepseek-r1-qwen", "stablelm2", "megrez", "hunyuan"], _QWEN2_PRE),
+    "falcon": _BPEPre((r"[\p{P}\$\+<=>\^~\|`]+", _GPT2, r"[0-9][0-9][0-9]")),
+}
+
+# Tokens llama.cpp treats as end of generation wherever they are in the vocabulary
+# (llama_vocab::impl::load, "maintain a list of tokens that cause end-of-generation").
+EOG_TOKEN_TEXTS = frozenset({
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
+    "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
+    "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
+    "<\uff5cend\u2581of\u2581sentence\uff5c>",
+})
+# llama.cpp also stops on its FIM pad/repo/file-separator tokens.
+_FIM_EOG_TOKEN_TEXTS = frozenset({
+    "<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]",
+    "<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>",
+    "<|file_sep|>",
+})
+
+
+def from_gguf(metadata: dict[str, Any], source: str = "<gguf>") -> Tokenizer:
+    """Build the tokenizer llama.cpp would build from a GGUF file's metadata."""
+    model = metadata.get("tokenizer.ggml.model")
+    if model is None:
+        raise ModelFileError(f"{source}: no tokenizer.ggml.model in the metadata")
+    if model not in ("gpt2", "llama"):
+        raise UnsupportedModelError(
+            f"{source}: tokenizer.ggml.model = {model!r} is not supported (known: 'gpt2', 'llama')"
+        )
+    tokens, types, vocab = _vocabulary(metadata, source)
+    n = len(tokens)
+    if model == "gpt2":
+        hf, add_bos_default = _byte_level_bpe(metadata, vocab, source)
+        default_bos = default_eos = None
+        strip_leading_space = False
+    else:
+        hf, strip_leading_space = _sentencepiece_bpe(metadata, tokens, types, vocab, source)
+        add_bos_default = True
+        default_bos, default_eos = (1 if n > 1 else None), (2 if n > 2 else None)
+    _add_special_tokens(hf, tokens, types, vocab, source)
+
+    def token_id(key: str, default: int | None) -> int | None:
+        v = metadata.get(key)
+        if v is None:
+            return default
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or not 0 <= v < n:
+            warnings.warn(f"{source}: {key} = {v!r} is not a token id (the vocabulary has {n} tokens); ignored")
+            return default
+        return int(v)
+
+    bos_id = token_id("tokenizer.ggml.bos_token_id", default_bos)
+    eos_id = token_id("tokenizer.ggml.eos_token_id", default_eos)
+    eot_id = token_id("tokenizer.ggml.eot_token_id", None)
+    eom_id = token_id("tokenizer.ggml.eom_token_id", None)
+    add_bos = _add_bos(metadata, add_bos_default, bos_id, source)
+    template = metadata.get("tokenizer.chat_template")
+    if template is not None and not isinstance(template, str):
+        raise ModelFileError(f"{source}: tokenizer.chat_template is not a string")
+    return Tokenizer(
+        hf,
+        source=source,
+        bos_id=bos_id,
+        eos_id=eos_id,
+        eog_ids=_eog_ids(vocab, (eos_id, eot_id, eom_id)),
+        add_bos=add_bos,
+        chat_template=template,
+        piece_bytes=_piece_bytes(tokens, types, byte_level=model == "gpt2"),
+        special_ids=frozenset(i for i in range(n) if types[i] in (TOKEN_CONTROL, TOKEN_UNKNOWN)),
+        strip_leading_space=strip_leading_space,
+    )
+
+
+def _vocabulary(metadata: dict[str, Any], source: str) -> tuple[list[str], list[int], dict[str, int]]:
+    """tokenizer.ggml.tokens and their types, checked, and the token -> id map."""
+    tokens = metadata.get("tokenizer.ggml.tokens")
+    if not isinstance(tokens, list) or not tokens:
+        raise ModelFileError(f"{source}: tokenizer.ggml.tokens is missing or empty")
+    tokens = list(tokens)
+    n = len(tokens)
+    types = metadata.get("tokenizer.ggml.token_type")
+    if types is None:
+        types = [TOKEN_NORMAL] * n
+    elif len(types) < n:
+        raise ModelFileError(f"{source}: tokenizer.ggml.token_type has {len(types)} entries for {n} tokens")
+    types = [int(t) for t in types[:n]]
+
+    vocab: dict[str, int] = {}
+    for i, t in enumerate(tokens):
+        if not isinstance(t, str):
+            raise ModelFileError(f"{source}: tokenizer.ggml.tokens[{i}] is not a string: {t!r}")
+        if t == "":
+            t = tokens[i] = f"[EMPTY_{i}]"  # llama.cpp names empty tokens the same way
+        if t in vocab:
+            raise ModelFileError(
+                f"{source}: duplicate token {t!r} in tokenizer.ggml.tokens (ids {vocab[t]} and {i})"
+            )
+        vocab[t] = i
+
+    # Tokens llama.cpp recognises by their text as end-of-generation are control tokens
+    # even when the converter marked them normal.
+    for i, t in enumerate(tokens):
+        if (t in EOG_TOKEN_TEXTS or t in _FIM_EOG_TOKEN_TEXTS) and types[i] in (TOKEN_NORMAL, TOKEN_USER_DEFINED):
+            types[i] = TOKEN_CONTROL
+    return tokens, types, vocab
+
+
+def _byte_level_bpe(metadata: dict[str, Any], vocab: dict[str, int], source: str) -> tuple[HFTokenizer, bool]:
+    """The "gpt2" model: byte-level BPE with llama.cpp's pre-tokenizer for tokenizer.ggml.pre.
+    Returns it and whether that pre-tokenizer's models add a BOS by default."""
+    pre_name = metadata.get("tokenizer.ggml.pre")
+    if not pre_name:
+        warnings.warn(f"{source}: no tokenizer.ggml.pre; using llama.cpp's 'default' pre-tokenizer")
+        pre_name = "default"
+    pre = BPE_PRE_TOKENIZERS.get(pre_name)
+    if pre is None:
+        raise UnsupportedModelError(
+            f"{source}: tokenizer.ggml.pre = {pre_name!r} is not supported (known: "
+            + ", ".join(sorted(BPE_PRE_TOKENIZERS)) + ")"
+        )
+    merges_raw = metadata.get("tokenizer.ggml.merges")
+    if not isinstance(merges_raw, list):
+        raise ModelFileError(f"{source}: tokenizer.ggml.merges is missing (needed by the gpt2 tokenizer)")
+    merges = []
+    for k, m in enumerate(merges_raw):
+        pos = m.find(" ", 1)
+        if pos < 0:
+            raise ModelFileError(f"{source}: tokenizer.ggml.merges[{k}] = {m!r} has no space")
+        merges.append((m[:pos], m[pos + 1:]))
+    try:
+        bpe = models.BPE(vocab=vocab, merges=merges, ignore_merges=pre.ignore_merges)
+    except Exception as e:
+        raise ModelFileError(f"{source}: tokenizer.ggml.merges do not fit tokenizer.ggml.tokens: {e}") from e
+    hf = HFTokenizer(bpe)
+    hf.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in pre.regexes]
+        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False, trim_offsets=False)]
+    )
+    hf.decoder = decoders.ByteLevel()
+    return hf, pre.add_bos
+
+
+def _sentencepiece_bpe(metadata: dict[str, Any], tokens: list[str], types: list[int], vocab: dict[str, int],
+                       source: str) -> tuple[HFTokenizer, bool]:
+    """The "llama" model: SentencePiece-style BPE. Returns it and whether decoding drops the leading space."""
+    n = len(tokens)
+    scores = metadata.get("tokenizer.ggml.scores")
+    if scores is None:
+        scores = [0.0] * n
+    elif len(scores) < n:
+        raise ModelFileError(f"{source}: tokenizer.ggml.scores has {len(scores)} entries for {n} tokens")
+    add_space_prefix = bool(metadata.get("tokenizer.ggml.add_space_prefix", True))
+    merges = _spm_merges(tokens, scores, vocab)
+    has_bytes = all(f"<0x{b:02X}>" in vocab for b in range(256))
+    unk = next((tokens[i] for i in range(n) if types[i] == TOKEN_UNKNOWN), None)
+    hf = HFTokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=unk, byte_fallback=has_bytes))
+    escape = normalizers.Replace(" ", SPM_SPACE)
+    if add_space_prefix:
+        hf.normalizer = normalizers.Sequence([normalizers.Prepend(SPM_SPACE), escape])
+    else:
+        hf.normalizer = escape
+    steps = [decoders.Replace(SPM_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    if add_space_prefix:
+        steps.append(decoders.Strip(" ", 1, 0))
+    hf.decoder = decoders.Sequence(steps)
+    return hf, add_space_prefix
+
+
+def _add_special_tokens(hf: HFTokenizer, tokens: list[str], types: list[int], vocab: dict[str, int], source: str) -> None:
+    """Control and unknown tokens are special (parse_special decides); user-defined are always matched."""
+    added = []
+    for i, t in enumerate(tokens):
+        if types[i] in (TOKEN_CONTROL, TOKEN_UNKNOWN, TOKEN_USER_DEFINED):
+            special = types[i] != TOKEN_USER_DEFINED
+            added.append(AddedToken(t, special=special, normalized=False))
+    if added:
+        hf.add_special_tokens([a for a in added if a.special])
+        hf.add_tokens([a for a in added if not a.special])
+    for a in added:
+        if hf.token_to_id(a.content) != vocab[a.content]:
+            raise ModelFileError(f"{source}: added token {a.content!r} did not keep id {vocab[a.content]}")
+
+
+def _piece_bytes(tokens: list[str], types: list[int], byte_level: bool) -> list[bytes]:
+    """The bytes of every token, as llama.cpp's token_to_piece gives them."""
+    piece_bytes: list[bytes] = []
+    for i, t in enumerate(tokens):
+        ty = types[i]
+        if ty in (TOKEN_CONTROL, TOKEN_UNKNOWN, TOKEN_USER_DEFINED):
+            piece_bytes.append(t.encode("utf-8"))
+        elif ty == TOKEN_BYTE and len(t) == 6 and t.startswith("<0x") and t.endswith(">"):
+            piece_bytes.append(bytes([int(t[3:5], 16)]))
+        elif ty == TOKEN_UNUSED or ty not in (TOKEN_NORMAL, TOKEN_BYTE):
+            piece_bytes.append(b"")  # llama.cpp's token_to_piece prints nothing for these
+        elif byte_level:
+            piece_bytes.append(byte_level_to_bytes(t))
+        else:
+            piece_bytes.append(t.replace(SPM_SPACE, " ").encode("utf-8"))
+    return piece_bytes
+
+
+def _eog_ids(vocab: dict[str, int], named_ids: tuple[int | None, ...]) -> frozenset[int]:
+    """End-of-generation ids: the tokens llama.cpp stops on by their text, and the EOS / EOT / EOM ids the
+    metadata names (named_ids)."""
+    eog = {vocab[t] for t in (EOG_TOKEN_TEXTS | _FIM_EOG_TOKEN_TEXTS) if t in vocab}
+    # llama.cpp's exceptions: gpt-oss / solar-open continue after <|end|>, gemma4 after </s>
+    if "<|end|>" in vocab and (
+        ("<|return|>" in vocab and "<|call|>" in vocab) or ("<|calls|>" in vocab and "<|flush|>" in vocab)
+    ):
+        eog.discard(vocab["<|end|>"])
+    if "</s>" in vocab and "<|tool_response>" in vocab:
+        eog.discard(vocab["</s>"])
+    eog.update(i for i in named_ids if i is not None)
+    return frozenset(eog)
+
+
+def _add_bos(metadata: dict[str, Any], default: bool, bos_id: int | None, source: str) -> bool:
+    """Whether encoding puts a BOS first: tokenizer.ggml.add_bos_token, else llama.cpp's default for the model."""
+    add_bos = metadata.get("tokenizer.ggml.add_bos_token", default)
+    if not isinstance(add_bos, bool):
+        raise ModelFileError(f"{source}: tokenizer.ggml.add_bos_token = {add_bos!r} is not a bool")
+    if add_bos and bos_id is None:
+        raise ModelFileError(
+            f"{source}: tokenizer.ggml.add_bos_token is true but tokenizer.ggml.bos_token_id is not set"
+        )
+    return add_bos
+
+
+def _spm_merges(tokens: list[str], scores: list[float], vocab: dict[str, int]) -> list[tuple[str, str]]:
+    """BPE merges equivalent to llama.cpp's SPM tokenizer (and sentencepiece's BPE).
+
+    llama.cpp merges any two neighbouring pieces whose concatenation is a token, best score
+    first (leftmost on a tie). As BPE merges: every split (left, right) of a token into two
+    tokens, ranked by the score of the whole token.
+    """
+    ranked = []
+    for tid, text in enumerate(tokens):
+        if len(text) < 2:
+            continue
+        for k in range(1, len(text)):
+            left, right = text[:k], text[k:]
+            if left in vocab and right in vocab:
+                ranked.append((-float(scores[tid]), tid, k, left, right))
+    ranked.sort()
+    return [(left, right) for _, _, _, left, right in ranked]

@@ -1,0 +1,101 @@
+"""A tokenizer from a Hugging Face model directory: tokenizer.json, with tokenizer_config.json and
+generation_config.json for the special tokens, and the chat template (chat_template.jinja,
+chat_template.json or tokenizer_config.json's)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer as HFTokenizer
+
+from churon.errors import ModelFileError
+from churon.tokenizer.core import Tokenizer
+from churon.tokenizer.gguf_vocab import EOG_TOKEN_TEXTS
+
+
+def from_hf_dir(path: str | os.PathLike) -> Tokenizer:
+    """Load tokenizer.json (+ tokenizer_config.json, generation_config.json) from a model directory."""
+    path = Path(path)
+    tj = path / "tokenizer.json"
+    if not tj.is_file():
+        raise ModelFileError(f"{path}: no tokenizer.json (churon needs the fast-tokenizer file)")
+    try:
+        hf = HFTokenizer.from_file(str(tj))
+    except Exception as e:
+        raise ModelFileError(f"{tj}: cannot be read by tokenizers: {e}") from e
+    config = _read_json(path / "tokenizer_config.json")
+    gen = _read_json(path / "generation_config.json")
+
+    def special(key: str) -> int | None:
+        value = config.get(key)
+        if isinstance(value, dict):
+            value = value.get("content")
+        if value is None:
+            return None
+        if not isinstance(value, str):
+            raise ModelFileError(f"{path / 'tokenizer_config.json'}: {key} = {value!r} is not a token")
+        tid = hf.token_to_id(value)
+        if tid is None:
+            raise ModelFileError(f"{path / 'tokenizer_config.json'}: {key} = {value!r} is not in tokenizer.json")
+        return tid
+
+    bos_id = special("bos_token")
+    eos_id = special("eos_token")
+    if bos_id is None and isinstance(gen.get("bos_token_id"), int):
+        bos_id = gen["bos_token_id"]
+    gen_eos = gen.get("eos_token_id")
+    gen_eos = [gen_eos] if isinstance(gen_eos, int) else list(gen_eos or [])
+    if eos_id is None and gen_eos:
+        eos_id = gen_eos[0]
+    eog = {i for i in [eos_id, *gen_eos] if isinstance(i, int)}
+    for tid, tok in hf.get_added_tokens_decoder().items():
+        if tok.special and tok.content in EOG_TOKEN_TEXTS:
+            eog.add(tid)
+
+    add_bos = config.get("add_bos_token")
+    if not isinstance(add_bos, bool):
+        # tokenizer.json's post-processor is what adds BOS for most models: ask it
+        with_special = hf.encode("a", add_special_tokens=True).ids
+        without = hf.encode("a", add_special_tokens=False).ids
+        add_bos = (
+            bos_id is not None and with_special[:1] == [bos_id] and without[:1] != [bos_id]
+        )
+    if add_bos and bos_id is None:
+        raise ModelFileError(f"{path}: add_bos_token is true but no bos_token is defined")
+
+    template = None
+    if (path / "chat_template.jinja").is_file():
+        template = (path / "chat_template.jinja").read_text(encoding="utf-8")
+    elif (path / "chat_template.json").is_file():
+        template = _read_json(path / "chat_template.json").get("chat_template")
+    else:
+        template = config.get("chat_template")
+    if isinstance(template, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
+        by_name = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = by_name.get("default", next(iter(by_name.values()), None))
+    if template is not None and not isinstance(template, str):
+        raise ModelFileError(f"{path}: chat_template is not a string")
+    return Tokenizer(
+        hf,
+        source=str(path),
+        bos_id=bos_id,
+        eos_id=eos_id,
+        eog_ids=frozenset(eog),
+        add_bos=add_bos,
+        chat_template=template,
+    )
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ModelFileError(f"{path}: not valid JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise ModelFileError(f"{path}: expected a JSON object")
+    return data
