@@ -428,7 +428,7 @@ def test_metrics_count_requests_tokens_and_latencies(server, client):
 # --- API key and queue limit ---------------------------------------------------------------
 
 
-def test_api_key_and_queue_limit(gguf):
+def test_api_key_and_queue_limit(gguf, llm):
     proc, url = start_server(gguf, "--api-key", "sekret", "--max-queue", "1", "--max-num-seqs", "1")
     try:
         assert httpx.get(f"{url}/health").status_code == 200  # probes need no key
@@ -440,7 +440,9 @@ def test_api_key_and_queue_limit(gguf):
         r = httpx.post(f"{url}/v1/completions", json=body, headers={"Authorization": "Bearer wrong"})
         assert r.status_code == 401
         keyed = openai.OpenAI(base_url=f"{url}/v1", api_key="sekret", max_retries=0)
-        assert keyed.completions.create(model=MODEL, prompt="hi", max_tokens=2).usage.completion_tokens >= 0
+        answer = keyed.completions.create(model=MODEL, prompt="hi", max_tokens=2, temperature=0)
+        want = greedy(llm, llm.tokenizer.encode("hi"), 2)
+        assert answer.choices[0].text == want.text and answer.usage.completion_tokens == len(want.token_ids)
 
         # one batch slot, one request may wait for its first token: of 8 long requests sent at once, most are turned away
         long = {"model": MODEL, "prompt": "hi", "max_tokens": 240, "ignore_eos": True}
