@@ -18,7 +18,6 @@ def check_invariants(bm: BlockManager, seqs) -> None:
     assert len(free) == len(bm._free) and not free & evictable
     assert bm.num_free_blocks + bm.num_used_blocks == bm.num_blocks
     for block in bm.blocks:
-        assert block.ref_count >= 0
         assert block.ref_count == refs[block.block_id], f"block {block.block_id}"
         assert (block.ref_count == 0) == (block.block_id in free | evictable)
         if block.block_id in free:
@@ -264,6 +263,19 @@ def test_reset_prefix_cache():
     bm.free(a)
     assert bm.reset_prefix_cache()
     assert not bm.hash_to_block and bm.num_cached_prefix_tokens(Sequence([1, 2, 3])) == 0
+    check_invariants(bm, [a])
+
+
+def test_freeing_a_block_nobody_holds_is_an_error_that_changes_nothing():
+    bm = BlockManager(4, block_size=4)
+    a = Sequence(range(6))
+    assert bm.allocate(a, 6)
+    stray = Sequence(range(8))
+    stray.block_table = [a.block_table[0], 3]  # a's block, and one nobody allocated
+    before = _snapshot(bm, [a])
+    with pytest.raises(RuntimeError, match="block 3 freed more often than allocated"):
+        bm.free(stray)
+    assert _snapshot(bm, [a]) == before  # the error came before any count went down
     check_invariants(bm, [a])
 
 
