@@ -279,6 +279,20 @@ def test_freeing_a_block_nobody_holds_is_an_error_that_changes_nothing():
     check_invariants(bm, [a])
 
 
+def test_commit_beyond_the_allocated_tokens_is_an_error():
+    bm = BlockManager(4, block_size=4)
+    seq = Sequence(range(6))
+    assert bm.allocate(seq, 5)  # two blocks for the first five tokens
+    with pytest.raises(ValueError, match="cannot commit 7 more tokens"):
+        bm.commit(seq, 7)  # more than the sequence has
+    with pytest.raises(ValueError, match="cannot commit 0 more tokens"):
+        bm.commit(seq, 0)
+    bm.commit(seq, 5)
+    assert seq.num_computed_tokens == 5
+    with pytest.raises(ValueError, match="cannot commit 2 more tokens"):
+        bm.commit(seq, 2)
+
+
 def test_bad_arguments():
     with pytest.raises(ValueError, match="num_blocks"):
         BlockManager(0)

@@ -307,3 +307,32 @@ def test_scheduled_seq_records_start_and_sample():
     last = ScheduledSeq(seq, 6)
     assert (first.start, first.sample) == (4, False)
     assert (last.start, last.sample) == (4, True)
+
+
+def test_update_from_output_commits_appends_and_finishes_on_stop_tokens_and_max_tokens():
+    bm = BlockManager(16, block_size=4)
+    sched = Scheduler(bm)
+    stops = Sequence([1, 2, 3, 4, 5], SamplingParams(max_tokens=8, stop_token_ids=[40]), seq_id=0, eos_token_ids=[41])
+    short = Sequence([5, 6, 7, 8, 9], SamplingParams(max_tokens=8), seq_id=1, max_tokens=2)  # what the context leaves
+    eos_ignored = Sequence([9, 9], SamplingParams(max_tokens=8, ignore_eos=True), seq_id=2, eos_token_ids=[41])
+    for seq in (stops, short, eos_ignored):
+        sched.add(seq)
+    out = sched.schedule()
+    assert [s.num_tokens for s in out.scheduled] == [5, 5, 2]
+    sched.update_from_output(out, {0: 7, 1: 7, 2: 41})
+    assert [s.num_computed_tokens for s in (stops, short, eos_ignored)] == [5, 5, 2]
+    assert bm.num_cached_prefix_tokens(Sequence([1, 2, 3, 4, 5, 6])) == 4  # the full block went to the cache
+    assert stops.output_token_ids == [7] and eos_ignored.output_token_ids == [41] and short.output_token_ids == [7]
+    assert not any(s.is_finished for s in (stops, short, eos_ignored))
+
+    out = sched.schedule()
+    sched.update_from_output(out, {0: 41, 1: 8, 2: 40})  # the model's EOS; max_tokens reached; a token like any other
+    assert stops.is_finished and stops.finish_reason == "stop" and stops.output_token_ids == [7]  # not appended
+    assert short.is_finished and short.finish_reason == "length" and short.output_token_ids == [7, 8]
+    assert not eos_ignored.is_finished and eos_ignored.output_token_ids == [41, 40]
+    assert not stops.block_table and not short.block_table and sched.running == [eos_ignored]
+
+    out = sched.schedule()
+    sched.update_from_output(out, {})  # nothing sampled: the tokens still count as computed
+    assert eos_ignored.num_computed_tokens == 4 and eos_ignored.output_token_ids == [41, 40]
+
