@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from churon import LLM, SamplingParams
+from churon.errors import ContextLengthError
 from churon.engine.kv_cache import SequenceKVCache
 from tiny_models import make_hf_model, write_gguf
 
@@ -82,6 +83,29 @@ def test_chat_applies_the_template(llm):
     assert ids[0] == start and ids.count(start) == 3  # system (default), user, assistant
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     assert llm.chat(messages, params).token_ids == llm.generate([ids], params)[0].token_ids
+
+
+def test_chat_prompt_without_the_generation_prompt(llm):
+    messages = [{"role": "user", "content": "hi"}]
+    start = llm.tokenizer.token_to_id("<|im_start|>")
+    ids = llm.chat_prompt_ids(messages, add_generation_prompt=False)
+    assert ids.count(start) == 2  # system (default), user: no assistant turn opened
+    with_turn = llm.chat_prompt_ids(messages)
+    assert with_turn[: len(ids)] == ids and llm.tokenizer.decode(with_turn[len(ids):], skip_special_tokens=False) == "<|im_start|>assistant\n"
+
+
+def test_max_model_len_and_check_prompt(llm):
+    assert llm.max_model_len == llm.config.context_length
+    capped = LLM(llm.source.path, threads=1, max_model_len=16)
+    assert capped.max_model_len == 16
+    assert capped.check_prompt(list(range(15))) is None
+    with pytest.raises(ContextLengthError, match="the prompt has 16 tokens but the context window is 16 tokens"):
+        capped.check_prompt(list(range(16)))
+    with pytest.raises(ValueError, match="the prompt is empty"):
+        capped.check_prompt([])
+    vocab = llm.config.vocab_size
+    with pytest.raises(ValueError, match=f"prompt token id {vocab} is outside the vocabulary"):
+        capped.check_prompt([1, vocab])
 
 
 def test_tokenizer_parses_special_tokens(llm):

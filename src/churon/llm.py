@@ -62,9 +62,18 @@ class LLM:
             return self.tokenizer.encode(prompt)
         return [int(t) for t in prompt]
 
-    def chat_prompt_ids(self, messages: Sequence[Message]) -> list[int]:
-        """The conversation rendered by the model's chat template, ready for the assistant's turn."""
-        text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True)
+    @property
+    def max_model_len(self) -> int:
+        """The most tokens one sequence may hold, prompt and output: the model's context, or less by max_model_len."""
+        return self.engine.context_length
+
+    def check_prompt(self, prompt_ids: Sequence[int]) -> None:
+        """Raise ValueError (ContextLengthError when too long) for a prompt this LLM can never run."""
+        self.engine.check_prompt(prompt_ids)
+
+    def chat_prompt_ids(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> list[int]:
+        """The conversation rendered by the model's chat template, by default ready for the assistant's turn."""
+        text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt)
         # The template writes the BOS itself when the model wants one.
         return self.tokenizer.encode(text, add_bos=False)
 
