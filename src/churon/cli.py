@@ -20,7 +20,8 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=40, help="0 disables (default 40)")
     p.add_argument("--top-p", type=float, default=0.95, help="(default 0.95)")
     p.add_argument("--min-p", type=float, default=0.05, help="(default 0.05)")
-    p.add_argument("--repeat-penalty", type=float, default=1.0, help="1 disables (default 1.0)")
+    p.add_argument("--repeat-penalty", dest="repetition_penalty", metavar="REPEAT_PENALTY", type=float, default=1.0,
+                   help="1 disables (default 1.0)")  # llama.cpp's flag, SamplingParams' name
     p.add_argument("--seed", type=int, default=None, help="same seed and prompt give the same text")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable); not printed")
     p.add_argument("--system", default=None, help="system message for chat-templated models")
@@ -33,16 +34,7 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 def _sampling_params(args):
     from churon.sampling import SamplingParams
 
-    return SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        min_p=args.min_p,
-        repetition_penalty=args.repeat_penalty,
-        seed=args.seed,
-        stop=args.stop,
-    )
+    return SamplingParams.from_fields(args)  # the flags of _add_sampling_args, named as SamplingParams' fields
 
 
 def _load(args):

@@ -17,6 +17,9 @@ import torch
 
 
 MAX_LOGPROBS = 20  # the most alternatives a token's logprobs carry (OpenAI's limit)
+# What the command line's flags and the HTTP APIs' request bodies both carry, named as here:
+# SamplingParams.from_fields reads them off either
+SHARED_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed", "stop")
 
 
 @dataclass
@@ -65,6 +68,12 @@ class SamplingParams:
             _check(ok, name, value, f"None or an integer in [0, {MAX_LOGPROBS}]")
         # the schema itself is compiled (and rejected when invalid) by the engine's add_request
         _check(self.json_schema is None or isinstance(self.json_schema, dict), "json_schema", self.json_schema, "None or a dict")
+
+    @classmethod
+    def from_fields(cls, source, **fields) -> SamplingParams:
+        """SHARED_FIELDS read off source's attributes (argparse's namespace, a request body), then `fields`:
+        the caller's own, or a shared one it derives (a request's max_tokens, a per-choice seed)."""
+        return cls(**{name: getattr(source, name) for name in SHARED_FIELDS} | fields)
 
     @property
     def greedy(self) -> bool:
