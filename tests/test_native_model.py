@@ -113,7 +113,7 @@ def test_results_do_not_depend_on_the_thread_count(hf_dir, tmp_path):
 
 
 def test_without_the_extension_auto_runs_the_reference_path_and_says_so(monkeypatch, caplog):
-    from churon.model.backend import make_backend
+    from churon.loader import make_backend
 
     monkeypatch.setattr(kernels, "cpu", None)
     monkeypatch.setattr(kernels, "reason", "churon._cpu is not available (test)")

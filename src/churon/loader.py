@@ -5,19 +5,26 @@ model file -> ModelSource (GGUF file or HF directory) -> checked weights -> Tran
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
 
+from churon import kernels
 from churon.errors import ModelFileError
 from churon.formats.gguf import GGUFModel
 from churon.formats.hf import HFModel
 from churon.formats.source import ModelSource
-from churon.model.backend import make_backend
+from churon.model.backend import Backend
+from churon.model.native_backend import NativeBackend
+from churon.model.reference_backend import ReferenceBackend
 from churon.model.transformer import Transformer, expected_weight_shapes
 from churon.registry import resolve_model
 from churon.tokenizer import Tokenizer, load_tokenizer
 
+log = logging.getLogger("churon")
+
+KERNEL_CHOICES = ("auto", "native", "reference")
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
 
@@ -39,6 +46,24 @@ def check_weights(source: ModelSource) -> None:
             raise ModelFileError(
                 f"{source.path}: tensor {source.file_name(name)!r} has shape {list(found[name])}, expected {list(shape)}"
             )
+
+
+def make_backend(kernels_choice: str, dtype: torch.dtype) -> Backend:
+    """'auto': native when built and the dtype is float32; otherwise the reference path, said once."""
+    if kernels_choice not in KERNEL_CHOICES:
+        raise ValueError(f"kernels={kernels_choice!r}: must be one of {', '.join(KERNEL_CHOICES)}")
+    if kernels_choice == "reference":
+        return ReferenceBackend(dtype)
+    if dtype != torch.float32:
+        if kernels_choice == "native":
+            raise ValueError(f"the native kernels compute in float32; dtype={dtype} needs kernels='reference'")
+        return ReferenceBackend(dtype)
+    if kernels.cpu is None:
+        if kernels_choice == "native":
+            raise RuntimeError(kernels.reason)
+        log.warning("churon: native CPU kernels unavailable (%s); running the PyTorch reference path", kernels.reason)
+        return ReferenceBackend(dtype)
+    return NativeBackend()
 
 
 def load_model(

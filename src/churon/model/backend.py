@@ -1,4 +1,5 @@
-"""The operations the transformer is written against (the Backend protocol), and the choice of backend.
+"""The operations the transformer is written against: the Backend protocol, and the KVCache protocol
+through which a backend reads and writes the K/V memory.
 
     ReferenceBackend  plain PyTorch in float32 (the exact reference path) or bfloat16
     NativeBackend     churon._cpu: quantized matmuls on 8-bit activations, fused row ops,
@@ -11,20 +12,12 @@ that memory (churon.engine.kv_cache) and passes it in with every step.
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Protocol
 
 import torch
 
-from churon import kernels
 from churon.model.batch import ForwardBatch
-from churon.model.native_backend import NativeBackend
-from churon.model.reference_backend import ReferenceBackend
 from churon.model.weights import RawWeight
-
-log = logging.getLogger("churon")
-
-KERNEL_CHOICES = ("auto", "native", "reference")
 
 
 class KVCache(Protocol):
@@ -81,21 +74,3 @@ class Backend(Protocol):
     def attention(self, q: torch.Tensor, cache: KVCache, layer: int, batch: ForwardBatch, scale: float) -> torch.Tensor:
         """Causal attention of each sequence's new tokens q [tokens, heads, head_dim] over its cached keys."""
         ...
-
-
-def make_backend(kernels_choice: str, dtype: torch.dtype) -> Backend:
-    """'auto': native when built and the dtype is float32; otherwise the reference path, said once."""
-    if kernels_choice not in KERNEL_CHOICES:
-        raise ValueError(f"kernels={kernels_choice!r}: must be one of {', '.join(KERNEL_CHOICES)}")
-    if kernels_choice == "reference":
-        return ReferenceBackend(dtype)
-    if dtype != torch.float32:
-        if kernels_choice == "native":
-            raise ValueError(f"the native kernels compute in float32; dtype={dtype} needs kernels='reference'")
-        return ReferenceBackend(dtype)
-    if kernels.cpu is None:
-        if kernels_choice == "native":
-            raise RuntimeError(kernels.reason)
-        log.warning("churon: native CPU kernels unavailable (%s); running the PyTorch reference path", kernels.reason)
-        return ReferenceBackend(dtype)
-    return NativeBackend()

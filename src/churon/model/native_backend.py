@@ -7,19 +7,15 @@ output rows with a fixed reduction order, and attention treats every query token
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
 from churon import kernels
 from churon.formats.gguf import GGUFTensor
+from churon.model.backend import KVCache
 from churon.model.batch import ForwardBatch
 from churon.model.weights import RawWeight, dense
-
-if TYPE_CHECKING:  # the protocol module imports this one
-    from churon.model.backend import KVCache
 
 
 class NativeBackend:

@@ -6,16 +6,12 @@ not batch-invariant (the native backend is both fast and batch-invariant).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 
+from churon.model.backend import KVCache
 from churon.model.batch import ForwardBatch, slots_of
 from churon.model.weights import RawWeight, dense
-
-if TYPE_CHECKING:  # the protocol module imports this one
-    from churon.model.backend import KVCache
 
 
 class ReferenceBackend:

@@ -8,6 +8,9 @@ reads top to bottom in `Transformer.forward_batch` and, for each layer, `Decoder
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 
 from churon.config import ModelConfig
@@ -15,7 +18,7 @@ from churon.model.backend import Backend, KVCache, SequenceCache
 from churon.model.batch import ForwardBatch, SequenceChunk
 from churon.model.reference_backend import ReferenceBackend
 from churon.model.rope import rope_inv_freq, rope_tables
-from churon.model.weights import LayerWeights, RawWeight, dense
+from churon.model.weights import RawWeight, concat_rows, dense
 
 
 def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -43,6 +46,45 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         if c.qk_norm:
             shapes |= {a + "q_norm.weight": (c.head_dim,), a + "k_norm.weight": (c.head_dim,)}
     return shapes
+
+
+@dataclass
+class LayerWeights:
+    """One decoder layer's weights as its backend holds them. q/k/v and gate/up are fused into one matrix
+    each, so a layer costs three matmuls on the way in and two on the way out."""
+
+    input_norm: Any
+    qkv: Any  # q, k and v projections stacked by rows
+    qkv_bias: Any | None  # Qwen2
+    q_norm: Any | None  # Qwen3: RMSNorm over each head of q and k
+    k_norm: Any | None
+    o: Any
+    post_norm: Any
+    gate_up: Any  # gate and up projections stacked by rows
+    down: Any
+
+    @classmethod
+    def build(cls, config: ModelConfig, layer: int, weights: dict[str, RawWeight], backend: Backend) -> "LayerWeights":
+        p = f"layers.{layer}."
+        a, m = p + "self_attn.", p + "mlp."
+        qkv_bias = None
+        if config.attention_bias:
+            qkv_bias = torch.cat([dense(weights[a + f"{x}_proj.bias"]) for x in "qkv"])
+            qkv_bias = backend.vector(qkv_bias)
+        q_norm = k_norm = None
+        if config.qk_norm:
+            q_norm, k_norm = backend.vector(weights[a + "q_norm.weight"]), backend.vector(weights[a + "k_norm.weight"])
+        return cls(
+            input_norm=backend.vector(weights[p + "input_layernorm.weight"]),
+            qkv=backend.matrix(concat_rows([weights[a + f"{x}_proj.weight"] for x in "qkv"])),
+            qkv_bias=qkv_bias,
+            q_norm=q_norm,
+            k_norm=k_norm,
+            o=backend.matrix(weights[a + "o_proj.weight"]),
+            post_norm=backend.vector(weights[p + "post_attention_layernorm.weight"]),
+            gate_up=backend.matrix(concat_rows([weights[m + "gate_proj.weight"], weights[m + "up_proj.weight"]])),
+            down=backend.matrix(weights[m + "down_proj.weight"]),
+        )
 
 
 class Transformer:

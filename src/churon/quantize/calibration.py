@@ -31,8 +31,7 @@ from churon.engine.kv_cache import SequenceKVCache
 from churon.formats.source import ModelSource
 from churon.model.batch import ForwardBatch, SequenceChunk
 from churon.model.reference_backend import ReferenceBackend
-from churon.model.transformer import DecoderBlock
-from churon.model.weights import LayerWeights
+from churon.model.transformer import DecoderBlock, LayerWeights
 from churon.quantize.source import SourceTensors
 from churon.tokenizer import load_tokenizer
 
