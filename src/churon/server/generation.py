@@ -3,6 +3,8 @@ together on the AsyncLLMEngine, their deltas merged into one stream, timed for /
 
 A response's first byte goes out only after every engine request has produced its first
 token: a bad prompt is then still a 400, never an error in the middle of a 200 stream.
+start_generation and finish_generation are that contract in HTTP terms, for every API's routes:
+admission, the 400 of a prompt the engine refuses, the 499 of a client that left.
 """
 
 from __future__ import annotations
@@ -16,8 +18,11 @@ from starlette.requests import Request
 
 from churon.engine.async_engine import AsyncLLMEngine
 from churon.engine import CompletionOutput, Delta
+from churon.errors import ContextLengthError
 from churon.sampling import SamplingParams
+from churon.server.errors import APIError
 from churon.server.metrics import ServerMetrics
+from churon.server.state import ServerState
 
 
 @dataclass
@@ -103,6 +108,30 @@ class Generation:
     def cancel(self) -> None:
         for task in self._tasks:
             task.cancel()
+
+
+async def start_generation(request: Request, state: ServerState, requests: list[EngineRequest],
+                           prompt_param: str) -> Generation:
+    """Admit the requests and start them; prompt_param: the request field a too-long prompt came from."""
+    _, engine = state.ready()
+    with state.admission.admit(len(requests)):
+        generation = Generation(engine, state.metrics, requests)
+        try:
+            await until_disconnected(request, generation.start())
+        except ContextLengthError as e:
+            raise APIError(400, str(e), param=prompt_param, code="context_length_exceeded")
+        except ValueError as e:  # sampling parameters, token ids, a JSON schema the engine refused
+            raise APIError(400, str(e))
+    return generation
+
+
+async def finish_generation(request: Request, generation: Generation) -> list[CompletionOutput]:
+    """Every output, unless the client leaves first."""
+    try:
+        return await until_disconnected(request, generation.outputs())
+    except ClientDisconnected:
+        # nobody reads the answer; the status is for the logs and /metrics (nginx's "client closed request")
+        raise APIError(499, "the client disconnected")
 
 
 async def until_disconnected(request: Request, work):

@@ -10,6 +10,7 @@ import json
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from churon.server.errors import error_body
 from churon.server.metrics import ServerMetrics
 
 # Liveness probes reach /health without a key (it says only whether the model is loaded);
@@ -73,7 +74,8 @@ def _header(scope: Scope, name: bytes) -> str | None:
 
 
 async def _error(send: Send, status: int, message: str, type: str = "invalid_request_error", code: str | None = None) -> None:
-    body = json.dumps({"error": {"message": message, "type": type, "param": None, "code": code}}).encode()
+    # written out here: a response sent before the app runs, so no exception handler renders it
+    body = json.dumps(error_body(message, type, code=code)).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})

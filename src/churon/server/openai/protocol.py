@@ -1,4 +1,4 @@
-"""The OpenAI API's request bodies as pydantic models, and its error shape.
+"""The OpenAI API's request bodies as pydantic models.
 
 Field names are OpenAI's (plus vLLM's /tokenize and /detokenize and its `ignore_eos`
 vendor field). Models are strict: a string where a number belongs, or a field OpenAI does
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 
@@ -95,12 +94,3 @@ class TokenizeRequest(_Request):
 class DetokenizeRequest(_Request):
     model: str | None = None
     tokens: list[int]
-
-
-def error_response(
-    status: int, message: str, type: str = "invalid_request_error", param: str | None = None, code: str | None = None,
-    headers: dict[str, str] | None = None,
-) -> JSONResponse:
-    """OpenAI's error body: {"error": {"message", "type", "param", "code"}}."""
-    body = {"error": {"message": message, "type": type, "param": param, "code": code}}
-    return JSONResponse(body, status_code=status, headers=headers)

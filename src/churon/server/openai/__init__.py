@@ -1,0 +1,23 @@
+"""OpenAI's API, with vLLM's extensions to it, as one router over the server's state:
+
+    protocol.py      request bodies (pydantic)
+    sampling.py      a body's sampling fields -> SamplingParams
+    render.py        engine outputs in OpenAI's response shapes
+    streaming.py     server-sent events ending in `data: [DONE]`
+    models.py        GET /v1/models, and check_model for a request's `model`
+    tokenization.py  POST /tokenize, /detokenize
+    chat.py          POST /v1/chat/completions
+    completions.py   POST /v1/completions
+
+One package per wire format: another API (Anthropic's Messages, Ollama's) sits beside this one
+with its own protocol, rendering and routes, and runs its requests through the same state.py and
+generation.py. Tool calling and the Responses API extend this one.
+"""
+
+from fastapi import APIRouter
+
+from churon.server.openai import chat, completions, models, tokenization
+
+router = APIRouter()
+for module in (models, tokenization, chat, completions):
+    router.include_router(module.router)
