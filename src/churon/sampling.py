@@ -17,8 +17,8 @@ import torch
 
 
 MAX_LOGPROBS = 20  # the most alternatives a token's logprobs carry (OpenAI's limit)
-# What the command line's flags and the HTTP APIs' request bodies both carry, named as here:
-# SamplingParams.from_fields reads them off either
+# What the command line's flags and OpenAI's request bodies (server/openai/) both carry, under these
+# names: SamplingParams.from_fields reads them off either
 SHARED_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed", "stop")
 
 
