@@ -138,3 +138,17 @@ def test_invalid_parameters_name_the_field_and_value(kwargs, field):
 def test_out_of_vocabulary_token_ids_in_params_are_rejected():
     with pytest.raises(ValueError, match="token id 7"):
         Sampler(SamplingParams(logit_bias={7: 1.0}), 5, [])
+
+
+def test_from_fields_reads_the_shared_fields_and_takes_the_callers_over_them():
+    from types import SimpleNamespace
+
+    source = SimpleNamespace(max_tokens=9, temperature=0.5, top_k=7, top_p=0.8, min_p=0.1, repetition_penalty=1.2,
+                             seed=3, stop="END", presence_penalty=1.5)  # not a shared field: left alone
+    p = SamplingParams.from_fields(source, seed=4, logprobs=2)
+    assert (p.max_tokens, p.temperature, p.top_k, p.top_p, p.min_p, p.repetition_penalty) == (9, 0.5, 7, 0.8, 0.1, 1.2)
+    assert p.seed == 4 and p.logprobs == 2 and p.stop == ["END"] and p.presence_penalty == 0.0
+    with pytest.raises(AttributeError, match="min_p"):
+        SamplingParams.from_fields(SimpleNamespace(**{k: v for k, v in vars(source).items() if k != "min_p"}))
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams.from_fields(source, temperature=-1.0)
