@@ -52,6 +52,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import llamacpp_peer as peer
+
 TEXT_FILES = ["GPL-3", "Apache-2.0", "GPL-2", "MPL-2.0", "LGPL-2.1", "Artistic"]
 TEXT_DIR = Path("/usr/share/common-licenses")
 FALLBACK_TEXT = " ".join(
@@ -118,11 +120,12 @@ def first_equal(a: list[int], b: list[int]) -> int:
 def build_workload(args) -> dict:
     """Token-id prompts for every phase, tokenized by churon's tokenizer (read from the GGUF, no weights)."""
     from churon.config import EngineConfig
-    from churon.kv_cache import kv_bytes_per_token
+    from churon.engine.kv_cache import kv_bytes_per_token
     from churon.loader import open_model
+    from churon.tokenizer import load_tokenizer
 
     source = open_model(args.model)
-    tokenizer = source.load_tokenizer()
+    tokenizer = load_tokenizer(source)
     files = [TEXT_DIR / name for name in TEXT_FILES if (TEXT_DIR / name).exists()]
     texts = [f.read_text(encoding="utf-8", errors="replace") for f in files]
     text = "\n\n".join(texts) if texts else FALLBACK_TEXT
@@ -161,8 +164,8 @@ def churon_kv_dtype(args):
     """The torch dtype churon's KV cache will have for these arguments."""
     import torch
 
-    from churon.kernels.backend import make_backend
-    from churon.kv_cache import KV_DTYPES
+    from churon.loader import make_backend
+    from churon.engine.kv_cache import KV_DTYPES
 
     if args.churon_kv_dtype != "auto":
         return KV_DTYPES[args.churon_kv_dtype]
@@ -344,9 +347,7 @@ class LlamaCppBatched:
                  kv_unified: bool):
         import ctypes
 
-        import llama_cpp as L
-
-        self.L = L
+        self.L = L = peer.import_llama_cpp()
         self._quiet = L.llama_log_callback(lambda level, text, data: None)  # keep a reference: C holds the pointer
         L.llama_log_set(self._quiet, ctypes.c_void_p(0))
         L.llama_backend_init()
@@ -381,12 +382,6 @@ class LlamaCppBatched:
         L.llama_batch_free(self.batch)
         L.llama_free(self.ctx)
         L.llama_model_free(self.model)
-
-    def _logits(self, i: int):
-        import numpy as np
-
-        ptr = self.L.llama_get_logits_ith(self.ctx, i)
-        return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
 
     def generate(self, prompts: list[list[int]], max_tokens: int, parallel: int | None = None,
                  reference: list[list[int]] | None = None) -> list[list[int]]:
@@ -453,7 +448,7 @@ class LlamaCppBatched:
                 raise RuntimeError(f"llama_decode returned {rc} ({n} tokens, {running} sequences)")
             for i, s in sample:
                 st = slots[s]
-                logits = self._logits(i)
+                logits = peer.logits_ith(self.ctx, i, self.n_vocab)
                 token = int(logits.argmax())
                 out = outputs[st["req"]]
                 ref = reference[st["req"]] if reference is not None else None
@@ -471,8 +466,6 @@ class LlamaCppBatched:
 
 
 def phase_llamacpp(args, workload: dict, parallel: int, kv_unified: bool) -> dict:
-    import llama_cpp
-
     prompts = workload["prompts"]
     seq_tokens = 256 * math.ceil((args.prompt_len + args.max_tokens + 16) / 256)
     t0 = time.perf_counter()
@@ -498,7 +491,7 @@ def phase_llamacpp(args, workload: dict, parallel: int, kv_unified: bool) -> dic
     single_stats = dict(lc.stats) if k else None
     lc.close()
     return {
-        "llama_cpp_python_version": llama_cpp.__version__,
+        "llama_cpp_python_version": peer.version(),
         "parallel": parallel,
         "kv_unified": kv_unified,
         "n_ctx": parallel * seq_tokens,
@@ -767,21 +760,15 @@ def main() -> None:
     seconds = time.perf_counter() - t_start
     summary = report(args, results, seconds, load_before)
     if args.json:
-        from importlib.metadata import PackageNotFoundError, version
-
-        def package_version(name: str) -> str | None:
-            try:
-                return version(name)
-            except PackageNotFoundError:
-                return None
+        import torch
 
         config = {k: v for k, v in vars(args).items() if k not in ("json", "only", "workload", "result")}
         args.json.write_text(json.dumps({
             "benchmark": "bench_batching",
             "model": Path(args.model).name,
             "config": config,
-            "torch_version": package_version("torch"),
-            "llama_cpp_python_version": package_version("llama_cpp_python"),
+            "torch_version": torch.__version__,
+            "llama_cpp_python_version": peer.version(),
             "machine": platform.processor() or platform.machine(),
             "cpus": os.cpu_count(),
             "phases": {k: {kk: vv for kk, vv in v.items() if kk != "check_token_ids"} for k, v in results.items()},

@@ -31,7 +31,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
 from churon import kernels
 from churon.formats.quants import dequantize
-from churon.kernels.reference import random_weight_bytes
+from churon.kernels.ground_truth import random_weight_bytes
 
 # SmolLM2-135M: q/o, k/v, gate/up, fused gate_up, down, lm_head (tied Q8_0 embedding)
 SHAPES = [(576, 576), (192, 576), (960, 576), (1536, 576), (3072, 576), (576, 1536), (49152, 576)]

@@ -4,6 +4,8 @@ Same GGUF, same thread count, batch 1:
   pp128, pp512  prompt processing tokens/s: one full prefill of a 128- / 512-token prompt on an empty cache
   tg128         generation tokens/s: 128 greedy tokens, one at a time, after an 8-token prompt
 plus Hugging Face transformers in bf16 (the same GGUF, dequantized) prefilling the 512-token prompt.
+The prompts are the first tokens of the GNU GPL v3 (tests/data/GPL-3, a copy of Debian's
+/usr/share/common-licenses/GPL-3), tokenized by churon.
 Each figure is the median of --repeats runs after one warm-up; the ratios are churon / peer.
 
     pip install llama-cpp-python transformers accelerate
@@ -34,13 +36,10 @@ import torch  # noqa: E402
 from churon import LLM, SamplingParams  # noqa: E402
 from churon.registry import resolve_model  # noqa: E402
 
-TEXT_PATH = Path("/usr/share/common-licenses/GPL-3")
-FALLBACK_TEXT = (
-    "The history of computing is a story of ever smaller machines doing ever larger jobs. "
-    "Early computers filled rooms, drew enormous power and were programmed by rewiring panels. "
-    "Transistors replaced vacuum tubes, integrated circuits replaced hand-soldered boards, and "
-    "microprocessors put a whole central processing unit on a single chip. "
-) * 20
+import llamacpp_peer as peer  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+TEXT_PATH = ROOT / "tests" / "data" / "GPL-3"
 PP_SIZES = (128, 512)
 TG_TOKENS = 128
 TG_PROMPT = 8
@@ -77,29 +76,21 @@ def churon_tg(llm: LLM, prompt: list[int]) -> float:
 
 class LlamaCpp:
     def __init__(self, path: Path, threads: int, n_ctx: int):
-        import llama_cpp
-
-        self.lib = llama_cpp
-        self.llm = llama_cpp.Llama(
-            str(path), n_ctx=n_ctx, n_batch=512, n_ubatch=512, n_threads=threads, n_threads_batch=threads,
-            verbose=False,
-        )
+        self.llm = peer.load(path, threads=threads, n_ctx=n_ctx, n_batch=512)
         self.n_vocab = self.llm.n_vocab()
 
     def _last_logits(self) -> np.ndarray:
-        ptr = self.lib.llama_get_logits_ith(self.llm._ctx.ctx, -1)
-        return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
+        return peer.logits_ith(self.llm._ctx.ctx, -1, self.n_vocab)
 
     def pp(self, prompt: list[int]) -> float:
-        self.llm.reset()  # the next eval drops every KV cell
+        self.llm.reset()  # as peer.prefill, but before the clock starts: only the eval is timed
         t0 = time.perf_counter()
         self.llm.eval(prompt)
         self._last_logits().argmax()  # the logits are there (decode is synchronous on CPU)
         return len(prompt) / (time.perf_counter() - t0)
 
     def tg(self, prompt: list[int]) -> float:
-        self.llm.reset()
-        self.llm.eval(prompt)
+        peer.prefill(self.llm, prompt)
         t0 = time.perf_counter()
         for _ in range(TG_TOKENS):
             token = int(self._last_logits().argmax())
@@ -149,7 +140,7 @@ def main() -> None:
         print(f"note: 1-minute load average {load_start:.2f} before the run; other work on the CPUs skews every figure")
 
     llm, churon_info = churon_llm(path, args)
-    text = TEXT_PATH.read_text(encoding="utf-8") if TEXT_PATH.exists() else FALLBACK_TEXT
+    text = TEXT_PATH.read_text(encoding="utf-8")
     tokens = llm.tokenizer.encode(text, add_bos=False)
     assert len(tokens) >= max(PP_SIZES), "benchmark text too short"
     prompts = {n: tokens[:n] for n in PP_SIZES}
@@ -168,9 +159,7 @@ def main() -> None:
     record("churon", f"tg{TG_TOKENS}", median_rate(lambda: churon_tg(llm, tg_prompt), args.repeats))
     del llm
 
-    import llama_cpp
-
-    print(f"llama.cpp (llama-cpp-python {llama_cpp.__version__})")
+    print(f"llama.cpp (llama-cpp-python {peer.version()})")
     lc = LlamaCpp(path, args.threads, n_ctx=1024)
     for n, prompt in prompts.items():
         record("llama.cpp", f"pp{n}", median_rate(lambda: lc.pp(prompt), args.repeats))
@@ -208,7 +197,7 @@ def main() -> None:
             "threads": args.threads,
             "repeats": args.repeats,
             "churon": churon_info,
-            "llama_cpp_python_version": llama_cpp.__version__,
+            "llama_cpp_python_version": peer.version(),
             "torch_version": torch.__version__,
             "machine": platform.processor() or platform.machine(),
             "tokens_per_second": results,

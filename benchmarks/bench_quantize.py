@@ -12,7 +12,7 @@
 3. churon: quantize_model with each method, every tensor given the type llama.cpp chose for it (so both
    files have the same size to the byte); calibration on churon's default text, collected once (with
    the Hessian) and shared by all methods;
-4. evaluation: GPL-3 (Debian's /usr/share/common-licenses/GPL-3, read here, never shipped) in windows of
+4. evaluation: GPL-3 (tests/data/GPL-3, a copy of Debian's /usr/share/common-licenses/GPL-3) in windows of
    512 tokens, scored as llama-perplexity --kl-divergence does (churon.evaluation), every model run by
    churon's native kernels: perplexity, mean / p99 KL(reference || model), top-1 agreement.
 """
@@ -38,14 +38,15 @@ from churon.quantize import pipeline
 from churon.quantize.calibration import collect_stats
 from churon.registry import resolve_model
 
+import llamacpp_peer as peer
+
 ROOT = Path(__file__).resolve().parent.parent
-TEXT = Path("/usr/share/common-licenses/GPL-3")
+TEXT = ROOT / "tests" / "data" / "GPL-3"
 LLAMA_FTYPES = {"Q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0", "Q4_K": "LLAMA_FTYPE_MOSTLY_Q4_K_M"}
 
 
 def llama_quantize(src: Path, out: Path, qtype: str, threads: int) -> None:
-    import llama_cpp
-
+    llama_cpp = peer.import_llama_cpp()
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = getattr(llama_cpp, LLAMA_FTYPES[qtype])
     params.nthread = threads
@@ -95,9 +96,6 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     parser.add_argument("--stats", type=Path, default=None, help="calibration statistics: read if present, else saved there")
     args = parser.parse_args(argv[1:])
-    if not TEXT.exists():
-        print(f"{TEXT} is missing (Debian's base-files ships it)", file=sys.stderr)
-        return 1
     types, methods = args.types.split(","), args.methods.split(",")
     args.workdir.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(args.threads)

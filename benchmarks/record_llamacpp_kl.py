@@ -2,8 +2,8 @@
 
     python benchmarks/record_llamacpp_kl.py [--out tests/data/llamacpp_kl_gpl3.json]
 
-Text: the GNU GPL version 3 as Debian ships it (/usr/share/common-licenses/GPL-3), tokenized by churon
-(its ids equal llama.cpp's for SmolLM2). Model: SmolLM2-135M-Instruct Q4_1 (`smollm2-135m`).
+Text: the GNU GPL version 3 as Debian ships it (tests/data/GPL-3, a copy of /usr/share/common-licenses/GPL-3),
+tokenized by churon (its ids equal llama.cpp's for SmolLM2). Model: SmolLM2-135M-Instruct Q4_1 (`smollm2-135m`).
 Reference: churon in float32 (the plain-PyTorch model on dequantized weights). Test: llama.cpp through
 llama-cpp-python (`pip install llama-cpp-python`), every position's logits, each window from an empty
 KV cache. Windows and scoring follow llama-perplexity --kl-divergence (see churon.evaluation): 512-token
@@ -21,15 +21,16 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from churon import LLM
 from churon.evaluation import ComparisonAccumulator, Comparison, text_windows, window_logits
 from churon.registry import resolve_model
 
+import llamacpp_peer as peer
+
 ROOT = Path(__file__).resolve().parent.parent
-TEXT = Path("/usr/share/common-licenses/GPL-3")
+TEXT = ROOT / "tests" / "data" / "GPL-3"
 
 
 def sha256(path: Path) -> str:
@@ -38,23 +39,6 @@ def sha256(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
-
-
-def llamacpp_logits_fn(model_path: Path, ctx: int, threads: int):
-    import llama_cpp
-
-    llm = llama_cpp.Llama(
-        str(model_path), n_ctx=ctx, n_batch=ctx, n_ubatch=ctx, n_threads=threads, n_threads_batch=threads,
-        logits_all=True, verbose=False,
-    )
-
-    def logits(window: list[int]) -> torch.Tensor:
-        llm.reset()  # n_tokens = 0: eval() then drops every KV cell, so the window starts from an empty cache
-        llm.eval(window)
-        assert llm.n_tokens == len(window)
-        return torch.from_numpy(np.array(llm.scores[: len(window)], dtype=np.float32))
-
-    return logits, llama_cpp.__version__
 
 
 def show(name: str, c: Comparison) -> None:
@@ -71,9 +55,6 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--no-bf16", action="store_true", help="skip the informational churon bfloat16 comparison")
     args = parser.parse_args(argv[1:])
 
-    if not TEXT.exists():
-        print(f"{TEXT} is missing (Debian's base-files ships it)", file=sys.stderr)
-        return 1
     model_path = resolve_model("smollm2-135m")
     ref = LLM(model_path, dtype="float32", threads=args.threads)
     tok = ref.tokenizer
@@ -81,13 +62,14 @@ def main(argv: list[str]) -> int:
     windows = text_windows(tokens, args.ctx, args.max_windows, bos_id=tok.bos_id if tok.add_bos else None)
     print(f"{TEXT}: {len(tokens)} tokens -> {len(windows)} windows of {args.ctx}")
 
-    test_fn, llama_cpp_version = llamacpp_logits_fn(model_path, args.ctx, args.threads)
+    # every position's logits, one eval per window: n_batch = ctx
+    llamacpp = peer.load(model_path, threads=args.threads, n_ctx=args.ctx, n_batch=args.ctx, logits_all=True)
     bf16 = None if args.no_bf16 else LLM(model_path, dtype="bfloat16", threads=args.threads)
     acc_llamacpp, acc_bf16 = ComparisonAccumulator(), ComparisonAccumulator()
     t0 = time.perf_counter()
     for i, window in enumerate(windows):
         ref_logits = window_logits(ref.model, window)
-        s = acc_llamacpp.add_window(ref_logits, test_fn(window), window)
+        s = acc_llamacpp.add_window(ref_logits, torch.from_numpy(peer.window_logits(llamacpp, window)), window)
         line = f"window {i + 1:>2}/{len(windows)}: llama.cpp mean KL {s.kl.mean().item():.6f}"
         if bf16 is not None:
             s = acc_bf16.add_window(ref_logits, window_logits(bf16.model, window), window)
@@ -95,8 +77,8 @@ def main(argv: list[str]) -> int:
         print(f"{line}  ({time.perf_counter() - t0:.0f} s)", flush=True)
 
     print()
-    llamacpp = acc_llamacpp.result()
-    show("llama.cpp vs churon fp32", llamacpp)
+    result = acc_llamacpp.result()
+    show("llama.cpp vs churon fp32", result)
     if bf16 is not None:
         show("churon bf16 vs churon fp32", acc_bf16.result())
 
@@ -105,18 +87,18 @@ def main(argv: list[str]) -> int:
         "model": model_path.name,
         "model_sha256": sha256(model_path),
         "model_bytes": model_path.stat().st_size,
-        "llama_cpp_python_version": llama_cpp_version,
+        "llama_cpp_python_version": peer.version(),
         "llama_cpp_call": f"Llama(model, n_ctx={args.ctx}, n_batch={args.ctx}, n_threads={args.threads}, "
                           "logits_all=True); reset(); eval(window); scores[:ctx]",
         "reference": "churon LLM(model, dtype='float32'): window_logits(llm.model, window)",
-        "text": str(TEXT),
+        "text": str(TEXT.relative_to(ROOT)),
         "text_sha256": sha256(TEXT),
         "text_tokens": len(tokens),
         "ctx": args.ctx,
         "n_windows": len(windows),
         "scored_positions": f"ctx//2 .. ctx-2 of each window ({args.ctx - 1 - args.ctx // 2} per window)",
         "bos_replaces_first_token": tok.add_bos,
-        "metrics": llamacpp.as_dict(),
+        "metrics": result.as_dict(),
         "command": " ".join(["python", "benchmarks/record_llamacpp_kl.py", *map(shlex.quote, argv[1:])]),
     }
     args.out.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")

@@ -13,6 +13,8 @@ import json
 import sys
 from pathlib import Path
 
+import llamacpp_peer as peer
+
 CASES = [
     "",
     "Hello world",
@@ -60,9 +62,7 @@ def main(argv: list[str]) -> int:
     model_path = Path(argv[1])
     default_out = Path(__file__).resolve().parent.parent / "tests/data/smollm2_llamacpp_token_ids.json"
     out = Path(argv[2]) if len(argv) > 2 else default_out
-    import llama_cpp
-
-    llm = llama_cpp.Llama(str(model_path), vocab_only=True, verbose=False)
+    llm = peer.load(model_path, vocab_only=True)
     cases = []
     for text in CASES:
         data = text.encode("utf-8")
@@ -73,7 +73,7 @@ def main(argv: list[str]) -> int:
         })
     record = {
         "model": model_path.name,
-        "llama_cpp_python_version": llama_cpp.__version__,
+        "llama_cpp_python_version": peer.version(),
         "call": "Llama(model_path, vocab_only=True).tokenize(text.encode(), add_bos=False, special=True|False)",
         "cases": cases,
     }
