@@ -19,7 +19,12 @@ from setuptools.command.build_ext import build_ext
 
 CPU_DIR = os.path.join("src", "churon", "kernels", "cpu")
 KERNEL_SOURCE = os.path.join(CPU_DIR, "kernels.cpp")
-HEADERS = [os.path.join(CPU_DIR, h) for h in ("common.h", "threadpool.h")]
+KERNEL_HEADERS = [os.path.join(CPU_DIR, h) for h in ("common.h",)]
+# compiled once, with COMMON_FLAGS only
+MODULE_SOURCES = [os.path.join(CPU_DIR, f) for f in ("module.cpp", "isa.cpp", "repack.cpp", "qmatrix.cpp",
+                                                    "ops.cpp", "threadpool.cpp")]
+MODULE_HEADERS = [os.path.join(CPU_DIR, h) for h in ("common.h", "driver.h", "isa.h", "ops.h", "qmatrix.h",
+                                                    "repack.h", "threadpool.h")]
 
 # -ffp-contract=off: a*b+c stays two roundings unless the code asks for an FMA, which keeps
 # dequantization bitwise equal to ggml and each ISA's results reproducible.
@@ -63,7 +68,7 @@ class OptionalBuildExt(build_ext):
                 macros=[("CHURON_ISA", isa)],
                 include_dirs=[CPU_DIR],
                 extra_postargs=COMMON_FLAGS + flags,
-                depends=HEADERS,
+                depends=KERNEL_HEADERS,
             )
         ext.extra_objects = objects
         ext.define_macros = [("CHURON_HAVE_" + isa.upper(), "1") for isa in ISA_FLAGS if isa != "scalar"]
@@ -76,8 +81,8 @@ setup(
     ext_modules=[
         Extension(
             "churon._cpu",
-            sources=[os.path.join(CPU_DIR, "module.cpp"), os.path.join(CPU_DIR, "threadpool.cpp")],
-            depends=HEADERS + [KERNEL_SOURCE],
+            sources=MODULE_SOURCES,
+            depends=MODULE_HEADERS + KERNEL_HEADERS + [KERNEL_SOURCE],
             extra_compile_args=COMMON_FLAGS,
             extra_link_args=["-pthread"],
             language="c++",

@@ -3,9 +3,10 @@
 // Two kinds of translation units include this header:
 //   * kernels.cpp, compiled once per ISA (scalar, avx2, avx512) with that ISA's flags and
 //     -DCHURON_ISA=<name>; each copy fills one KernelTable in namespace churon::<name>.
-//   * module.cpp / threadpool.cpp, compiled with baseline flags: Python bindings, weight
-//     repacking, the thread pool, and the runtime choice of a KernelTable.
-// Nothing here may use instructions beyond the baseline, since module.cpp includes it.
+//   * the module sources, compiled with baseline flags: Python bindings (module.cpp), the
+//     runtime choice of a KernelTable (isa.cpp), weight repacking (repack.cpp), the drivers
+//     around the kernels (qmatrix.cpp, ops.cpp) and the thread pool (threadpool.cpp).
+// Nothing here may use instructions beyond the baseline, since the module sources include it.
 #pragma once
 
 #include <cstddef>

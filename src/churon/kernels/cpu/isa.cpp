@@ -1,0 +1,88 @@
+// Runtime ISA choice among the KernelTables compiled in (see isa.h).
+
+#include "isa.h"
+
+#include <cstdlib>
+#include <stdexcept>
+
+namespace churon {
+namespace {
+
+struct IsaEntry {
+  const char* name;
+  const KernelTable* (*table)();
+  bool (*supported)();
+};
+
+#if (defined(__x86_64__) || defined(__i386__)) && (defined(CHURON_HAVE_AVX2) || defined(CHURON_HAVE_AVX512))
+bool cpu_avx2() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+}
+bool cpu_avx512() {
+  __builtin_cpu_init();
+  return cpu_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+         __builtin_cpu_supports("avx512vnni");
+}
+#endif
+bool cpu_any() { return true; }
+
+const std::vector<IsaEntry>& all_isas() {  // best first
+  static const std::vector<IsaEntry> v = {
+#if defined(CHURON_HAVE_AVX512)
+      {"avx512", avx512::table, cpu_avx512},
+#endif
+#if defined(CHURON_HAVE_AVX2)
+      {"avx2", avx2::table, cpu_avx2},
+#endif
+      {"scalar", scalar::table, cpu_any},
+  };
+  return v;
+}
+
+const KernelTable* g_kt = nullptr;
+
+}  // namespace
+
+std::vector<std::string> available_isas() {
+  std::vector<std::string> out;
+  for (const auto& e : all_isas())
+    if (e.supported()) out.push_back(e.name);
+  return out;
+}
+
+void set_isa(const std::string& name) {
+  for (const auto& e : all_isas()) {
+    if (name == e.name) {
+      if (!e.supported())
+        throw std::invalid_argument("ISA '" + name + "' is not supported by this CPU");
+      g_kt = e.table();
+      return;
+    }
+  }
+  std::string names;
+  for (const auto& n : available_isas()) names += (names.empty() ? "" : ", ") + n;
+  throw std::invalid_argument("unknown ISA '" + name + "' (available: " + names + ")");
+}
+
+const KernelTable* kt() { return g_kt; }
+
+std::string init_isa() {
+  for (const auto& e : all_isas()) {
+    if (e.supported()) {
+      g_kt = e.table();
+      break;
+    }
+  }
+  const char* env = std::getenv("CHURON_ISA");
+  if (!env || !*env) return "";
+  try {
+    set_isa(env);
+  } catch (const std::exception& e) {
+    return std::string("CHURON_ISA=") + env + ": " + e.what();
+  }
+  return "";
+}
+
+}  // namespace churon

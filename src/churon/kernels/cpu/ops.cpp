@@ -1,0 +1,226 @@
+// Row ops and attention (see ops.h): the parallel drivers around the kernels of the current ISA.
+
+#include "ops.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <stdexcept>
+
+#include "common.h"
+#include "driver.h"
+#include "isa.h"
+#include "threadpool.h"
+
+namespace churon {
+namespace {
+
+constexpr int64_t kParallelElems = 1 << 15;  // below this, a row op runs on the caller only
+
+template <class F>
+void rows_op(int64_t m, int64_t n, F&& f) {
+  if (m * n >= kParallelElems && m > 1)
+    parallel_for(m, chunk_for(m), [&](int64_t b, int64_t e, int) { f(b, e); });
+  else
+    f(0, m);
+}
+
+int kv_dtype_of(const std::string& name, const char* what) {
+  if (name == "float32") return kKvF32;
+  if (name == "float16") return kKvF16;
+  if (name == "bfloat16") return kKvBF16;
+  if (name == "int8") return kKvI8;
+  throw std::invalid_argument(std::string(what) + ": kv_dtype must be 'float32', 'float16', 'bfloat16' or 'int8', got '" +
+                              name + "'");
+}
+
+// one token's heads x head_dim values into an int8 cache: per head scale = amax / 127 and
+// q = round-half-even(x * (127 / amax)), the same arithmetic as the PyTorch reference
+void store_kv_i8(int8_t* dst, float* scales, const float* src, int64_t heads, int64_t head_dim) {
+  for (int64_t h = 0; h < heads; ++h) {
+    const float* x = src + h * head_dim;
+    float amax = 0.0f;
+    for (int64_t i = 0; i < head_dim; ++i) amax = std::max(amax, std::fabs(x[i]));
+    const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+    for (int64_t i = 0; i < head_dim; ++i)
+      dst[h * head_dim + i] = int8_t(std::clamp(std::nearbyint(x[i] * id), -127.0f, 127.0f));
+    scales[h] = amax / 127.0f;
+  }
+}
+
+// dst[i] = src[i] as the cache dtype (round to nearest even)
+void store_kv(void* dst, int64_t off, const float* src, int64_t n, int dt) {
+  if (dt == kKvF32) {
+    std::memcpy(static_cast<float*>(dst) + off, src, size_t(n) * 4);
+    return;
+  }
+  kt()->to_half(src, static_cast<uint16_t*>(dst) + off, n, dt == kKvBF16);
+}
+
+// positions per attention task (fixed: batch invariance); at most kMaxPartTokens (256) of kernels.cpp
+constexpr int64_t kAttnPartTokens = 64;
+
+// attention partials and per-thread scratch (calls are serialized by the GIL)
+Buffer g_attn_buf;
+
+}  // namespace
+
+void rms_norm(uintptr_t xp, uintptr_t wp, uintptr_t outp, int64_t m, int64_t n, double eps) {
+  if (m <= 0 || n <= 0) return;
+  const float* x = ptr<const float>(xp, "rms_norm: x");
+  const float* w = ptr<const float>(wp, "rms_norm: weight");
+  float* out = ptr<float>(outp, "rms_norm: out");
+  const KernelTable* k = kt();
+  rows_op(m, n, [&](int64_t b, int64_t e) { k->rms_norm(x, w, out, b, e, n, float(eps)); });
+}
+
+void add_rms_norm(uintptr_t rp, uintptr_t xp, uintptr_t wp, uintptr_t outp, int64_t m, int64_t n, double eps) {
+  if (m <= 0 || n <= 0) return;
+  float* res = ptr<float>(rp, "add_rms_norm: residual");
+  const float* x = ptr<const float>(xp, "add_rms_norm: x");
+  const float* w = ptr<const float>(wp, "add_rms_norm: weight");
+  float* out = ptr<float>(outp, "add_rms_norm: out");
+  const KernelTable* k = kt();
+  rows_op(m, n, [&](int64_t b, int64_t e) { k->add_rms_norm(res, x, w, out, b, e, n, float(eps)); });
+}
+
+void rope(uintptr_t xp, int64_t m, int64_t n_heads, int64_t head_dim, uintptr_t posp, uintptr_t cosp,
+          uintptr_t sinp, int64_t row_stride) {
+  if (m <= 0 || n_heads <= 0) return;
+  if (head_dim <= 0 || head_dim % 2) throw std::invalid_argument("rope: head_dim must be positive and even");
+  float* x = ptr<float>(xp, "rope: x");
+  const int64_t* pos = ptr<const int64_t>(posp, "rope: positions");
+  const float* c = ptr<const float>(cosp, "rope: cos");
+  const float* s = ptr<const float>(sinp, "rope: sin");
+  if (row_stride == 0) row_stride = n_heads * head_dim;
+  const KernelTable* k = kt();
+  rows_op(m, n_heads * head_dim,
+          [&](int64_t b, int64_t e) { k->rope(x, b, e, n_heads, head_dim, row_stride, pos, c, s); });
+}
+
+
+void rope_and_cache(uintptr_t qkvp, int64_t m, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                    uintptr_t posp, uintptr_t cosp, uintptr_t sinp, uintptr_t kcp, uintptr_t vcp, uintptr_t slotp,
+                    int64_t row_stride, const std::string& kv_dtype, uintptr_t ksp, uintptr_t vsp) {
+  const int dt = kv_dtype_of(kv_dtype, "rope_and_cache");
+  if (m <= 0) return;
+  if (head_dim <= 0 || head_dim % 2) throw std::invalid_argument("rope_and_cache: head_dim must be positive and even");
+  if (num_heads <= 0 || num_kv_heads <= 0) throw std::invalid_argument("rope_and_cache: head counts must be positive");
+  float* qkv = ptr<float>(qkvp, "rope_and_cache: qkv");
+  const int64_t* pos = ptr<const int64_t>(posp, "rope_and_cache: positions");
+  const float* c = ptr<const float>(cosp, "rope_and_cache: cos");
+  const float* s = ptr<const float>(sinp, "rope_and_cache: sin");
+  void* kc = ptr<void>(kcp, "rope_and_cache: k_cache");
+  void* vc = ptr<void>(vcp, "rope_and_cache: v_cache");
+  const int64_t* slots = ptr<const int64_t>(slotp, "rope_and_cache: slot_mapping");
+  float* ks = dt == kKvI8 ? ptr<float>(ksp, "rope_and_cache: k_scale") : nullptr;
+  float* vs = dt == kKvI8 ? ptr<float>(vsp, "rope_and_cache: v_scale") : nullptr;
+  const int64_t kv = num_kv_heads * head_dim;
+  if (row_stride == 0) row_stride = (num_heads + 2 * num_kv_heads) * head_dim;
+  const KernelTable* k = kt();
+  rows_op(m, row_stride, [&](int64_t b, int64_t e) {
+    k->rope(qkv, b, e, num_heads + num_kv_heads, head_dim, row_stride, pos, c, s);
+    for (int64_t i = b; i < e; ++i) {
+      if (slots[i] < 0) continue;
+      const float* row = qkv + i * row_stride + num_heads * head_dim;
+      if (dt == kKvI8) {
+        store_kv_i8(static_cast<int8_t*>(kc) + slots[i] * kv, ks + slots[i] * num_kv_heads, row, num_kv_heads, head_dim);
+        store_kv_i8(static_cast<int8_t*>(vc) + slots[i] * kv, vs + slots[i] * num_kv_heads, row + kv, num_kv_heads,
+                    head_dim);
+        continue;
+      }
+      store_kv(kc, slots[i] * kv, row, kv, dt);
+      store_kv(vc, slots[i] * kv, row + kv, kv, dt);
+    }
+  });
+}
+
+void swiglu(uintptr_t gup, uintptr_t outp, int64_t m, int64_t n) {
+  if (m <= 0 || n <= 0) return;
+  const float* gu = ptr<const float>(gup, "swiglu: gate_up");
+  float* out = ptr<float>(outp, "swiglu: out");
+  const KernelTable* k = kt();
+  rows_op(m, n, [&](int64_t b, int64_t e) { k->swiglu(gu, out, b, e, n); });
+}
+
+void softmax(uintptr_t xp, uintptr_t outp, int64_t m, int64_t n) {
+  if (m <= 0 || n <= 0) return;
+  const float* x = ptr<const float>(xp, "softmax: x");
+  float* out = ptr<float>(outp, "softmax: out");
+  const KernelTable* k = kt();
+  rows_op(m, n, [&](int64_t b, int64_t e) { k->softmax(x, out, b, e, n); });
+}
+
+void attention_decode(uintptr_t qp, uintptr_t kp, uintptr_t vp, uintptr_t btp, uintptr_t slp, uintptr_t outp,
+                      int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                      int64_t block_size, double scale, int64_t max_blocks, int64_t q_stride,
+                      const std::string& kv_dtype, uintptr_t ksp, uintptr_t vsp) {
+  const int dt = kv_dtype_of(kv_dtype, "attention_decode");
+  if (num_seqs <= 0) return;
+  if (num_heads <= 0 || num_kv_heads <= 0 || num_heads % num_kv_heads)
+    throw std::invalid_argument("attention_decode: num_heads must be a positive multiple of num_kv_heads");
+  if (head_dim <= 0 || block_size <= 0 || max_blocks <= 0)
+    throw std::invalid_argument("attention_decode: head_dim, block_size and max_blocks_per_seq must be positive");
+  AttnArgs a;
+  a.q = ptr<const float>(qp, "attention_decode: q");
+  a.k_cache = ptr<const void>(kp, "attention_decode: k_cache");
+  a.v_cache = ptr<const void>(vp, "attention_decode: v_cache");
+  a.kv_dtype = dt;
+  a.k_scale = dt == kKvI8 ? ptr<const float>(ksp, "attention_decode: k_scale") : nullptr;
+  a.v_scale = dt == kKvI8 ? ptr<const float>(vsp, "attention_decode: v_scale") : nullptr;
+  a.block_table = ptr<const int32_t>(btp, "attention_decode: block_table");
+  a.seq_lens = ptr<const int32_t>(slp, "attention_decode: seq_lens");
+  a.out = ptr<float>(outp, "attention_decode: out");
+  a.num_seqs = num_seqs;
+  a.num_heads = num_heads;
+  a.num_kv_heads = num_kv_heads;
+  a.head_dim = head_dim;
+  a.block_size = block_size;
+  a.max_blocks = max_blocks;
+  a.q_stride = q_stride ? q_stride : num_heads * head_dim;
+  a.scale = float(scale);
+  a.part_tokens = kAttnPartTokens;
+  int64_t max_len = 0;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t len = a.seq_lens[s];
+    if (len < 0 || len > max_blocks * block_size)
+      throw std::invalid_argument("attention_decode: seq_lens[" + std::to_string(s) + "] = " + std::to_string(len) +
+                                  " does not fit in max_blocks_per_seq * block_size = " +
+                                  std::to_string(max_blocks * block_size));
+    max_len = std::max(max_len, len);
+  }
+  a.max_parts = std::max<int64_t>(1, (max_len + a.part_tokens - 1) / a.part_tokens);
+  const int64_t partial_floats = num_seqs * num_heads * a.max_parts * (head_dim + 2);
+  const int64_t per_thread = (attn_scratch_floats(a) + 15) / 16 * 16;
+  const int nthreads = get_num_threads();
+  g_attn_buf.reserve(size_t(partial_floats + per_thread * nthreads) * 4 + 64);
+  a.partial = reinterpret_cast<float*>(g_attn_buf.p);
+  float* scratch = a.partial + (partial_floats + 15) / 16 * 16;
+  const KernelTable* k = kt();
+  const int64_t ntasks = (num_seqs + kAttnQueryBlock - 1) / kAttnQueryBlock * kAttnQueryBlock * a.max_parts;
+  parallel_for(ntasks, 1, [&](int64_t b, int64_t e, int tid) { k->attn_partial(a, b, e, scratch + tid * per_thread); });
+  const int64_t nout = num_seqs * num_heads;
+  if (nout * head_dim >= kParallelElems)
+    parallel_for(nout, chunk_for(nout), [&](int64_t b, int64_t e, int) { k->attn_combine(a, b, e); });
+  else
+    k->attn_combine(a, 0, nout);
+}
+
+uint64_t read_bytes(uintptr_t p, int64_t nbytes, int64_t repeat) {
+  const uint8_t* base = ptr<const uint8_t>(p, "read_bytes: ptr");
+  const KernelTable* k = kt();
+  const int64_t block = 1 << 16;
+  const int64_t nblocks = (nbytes + block - 1) / block;
+  uint64_t h[256] = {};
+  for (int64_t r = 0; r < repeat; ++r) {
+    parallel_for(nblocks, chunk_for(nblocks), [&](int64_t b, int64_t e, int tid) {
+      const int64_t lo = b * block, hi = std::min(nbytes, e * block);
+      h[tid & 255] ^= k->read_bytes(base + lo, hi - lo);
+    });
+  }
+  uint64_t out = 0;
+  for (uint64_t v : h) out ^= v;
+  return out;
+}
+
+}  // namespace churon

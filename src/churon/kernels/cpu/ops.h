@@ -1,0 +1,34 @@
+// Row ops, RoPE and the KV cache, attention: what churon._cpu exposes besides QMatrix. Arguments
+// are raw addresses (Python ints from tensor.data_ptr()); the docstrings in module.cpp give the
+// shapes and dtypes.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace churon {
+
+void rms_norm(uintptr_t xp, uintptr_t wp, uintptr_t outp, int64_t m, int64_t n, double eps);
+void add_rms_norm(uintptr_t rp, uintptr_t xp, uintptr_t wp, uintptr_t outp, int64_t m, int64_t n, double eps);
+void rope(uintptr_t xp, int64_t m, int64_t n_heads, int64_t head_dim, uintptr_t posp, uintptr_t cosp,
+          uintptr_t sinp, int64_t row_stride);
+
+// qkv rows [m, (H + 2 KV) * head_dim] (row_stride floats apart): RoPE on the q and k heads in
+// place, then k and v of token i copied into the paged caches at slot slot_mapping[i] (int64;
+// negative: not written). Caches [num_blocks * block_size, KV, head_dim] of kv_dtype.
+void rope_and_cache(uintptr_t qkvp, int64_t m, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                    uintptr_t posp, uintptr_t cosp, uintptr_t sinp, uintptr_t kcp, uintptr_t vcp, uintptr_t slotp,
+                    int64_t row_stride, const std::string& kv_dtype, uintptr_t ksp, uintptr_t vsp);
+
+void swiglu(uintptr_t gup, uintptr_t outp, int64_t m, int64_t n);
+void softmax(uintptr_t xp, uintptr_t outp, int64_t m, int64_t n);
+
+void attention_decode(uintptr_t qp, uintptr_t kp, uintptr_t vp, uintptr_t btp, uintptr_t slp, uintptr_t outp,
+                      int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                      int64_t block_size, double scale, int64_t max_blocks, int64_t q_stride,
+                      const std::string& kv_dtype, uintptr_t ksp, uintptr_t vsp);
+
+// bandwidth probe for benchmarks: read nbytes at ptr with all threads, `repeat` times
+uint64_t read_bytes(uintptr_t p, int64_t nbytes, int64_t repeat);
+
+}  // namespace churon
