@@ -19,8 +19,8 @@ from setuptools.command.build_ext import build_ext
 
 CPU_DIR = os.path.join("src", "churon", "kernels", "cpu")
 KERNEL_SOURCE = os.path.join(CPU_DIR, "kernels.cpp")
-# what kernels.cpp includes: the loops written per ISA
-KERNEL_HEADERS = [os.path.join(CPU_DIR, h) for h in ("common.h", "matmul_avx512.inc", "matmul_avx2.inc",
+# what kernels.cpp includes: the SIMD mapping, and the loops written per ISA
+KERNEL_HEADERS = [os.path.join(CPU_DIR, h) for h in ("common.h", "simd.h", "matmul_avx512.inc", "matmul_avx2.inc",
                                                     "matmul_scalar.inc", "attention_avx512.inc")]
 # compiled once, with COMMON_FLAGS only
 MODULE_SOURCES = [os.path.join(CPU_DIR, f) for f in ("module.cpp", "isa.cpp", "repack.cpp", "qmatrix.cpp",

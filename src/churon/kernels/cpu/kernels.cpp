@@ -3,10 +3,11 @@
 // setup.py compiles this file several times: -DCHURON_ISA=scalar with baseline flags,
 // -DCHURON_ISA=avx2 with -mavx2 -mfma -mf16c, -DCHURON_ISA=avx512 with the AVX-512
 // F/BW/VL/DQ/VNNI flags. Each copy defines churon::<isa>::table(); isa.cpp picks one at run
-// time. Code paths below are chosen by the compiler's predefined ISA macros; loops whose shape
-// is an ISA's own come from one file per ISA: the quantized matmul tiles (matmul_<isa>.inc)
-// and the AVX-512 attention kernel (attention_avx512.inc). What is not specialised is plain
-// C++ that each copy compiles (and auto-vectorises) for its ISA.
+// time. A vector loop is written once against simd.h, which maps it onto the ISA of this copy
+// (K_SIMD: AVX-512 or AVX2); `#else` is the scalar copy's loop. Loops whose shape is an ISA's
+// own come from one file per ISA: the quantized matmul tiles (matmul_<isa>.inc) and the
+// AVX-512 attention kernel (attention_avx512.inc). What is not specialised is plain C++ that
+// each copy compiles (and auto-vectorises) for its ISA.
 //
 // Everything lives in an anonymous namespace (internal linkage) and uses no out-of-line
 // library templates, so no symbol compiled with AVX-512 can be shared with a baseline TU.
@@ -19,19 +20,7 @@
 #include <cmath>
 
 #include "common.h"
-
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
-    defined(__AVX512DQ__) && defined(__AVX512VNNI__)
-#define K_AVX512 1
-#include <immintrin.h>
-#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#define K_AVX2 1
-#include <immintrin.h>
-#endif
-
-#ifndef CHURON_ISA
-#error "compile with -DCHURON_ISA=<scalar|avx2|avx512>"
-#endif
+#include "simd.h"
 
 #define CHURON_STR2(x) #x
 #define CHURON_STR(x) CHURON_STR2(x)
@@ -177,49 +166,29 @@ void quantize_act(const float* x, int64_t m0, int64_t m1, const ActQ& a) {
     for (int64_t b = 0; b < a.nb; ++b) {
       const float* xb = x + m * a.cols + b * 32;
       int8_t* qb = a.q + m * a.cols + b * 32;
-#if defined(K_AVX512)
-      const __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
-      const __m512 am = _mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1));
-      const float amax = _mm512_reduce_max_ps(am);
-      const float d = amax / 127.0f;
-      const float id = d != 0.0f ? 1.0f / d : 0.0f;
-      const __m512 vid = _mm512_set1_ps(id);
-      const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, vid));
-      const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, vid));
-      _mm_storeu_si128((__m128i*)qb, _mm512_cvtsepi32_epi8(q0));
-      _mm_storeu_si128((__m128i*)(qb + 16), _mm512_cvtsepi32_epi8(q1));
-      const int32_t s0 = _mm512_reduce_add_epi32(q0), s1 = _mm512_reduce_add_epi32(q1);
-#elif defined(K_AVX2)
-      const __m256 sign = _mm256_set1_ps(-0.0f);
-      __m256 v[4];
-      __m256 am = _mm256_setzero_ps();
-      for (int i = 0; i < 4; ++i) {
-        v[i] = _mm256_loadu_ps(xb + 8 * i);
-        am = _mm256_max_ps(am, _mm256_andnot_ps(sign, v[i]));
+#if defined(K_SIMD)
+      using namespace simd;
+      constexpr int N = kActBlock / kW;  // vectors per block
+      V v[N];
+      v[0] = loadu(xb);
+      V am = abs(v[0]);
+      for (int i = 1; i < N; ++i) {
+        v[i] = loadu(xb + kW * i);
+        am = max(am, abs(v[i]));
       }
-      __m128 h = _mm_max_ps(_mm256_castps256_ps128(am), _mm256_extractf128_ps(am, 1));
-      h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-      h = _mm_max_ss(h, _mm_movehdup_ps(h));
-      const float amax = _mm_cvtss_f32(h);
+      const float amax = reduce_max(am);
       const float d = amax / 127.0f;
       const float id = d != 0.0f ? 1.0f / d : 0.0f;
-      const __m256 vid = _mm256_set1_ps(id);
-      __m256i q[4];
-      for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], vid));
-      // pack int32 -> int8 (saturating); packs work per 128-bit lane, fix the order after
-      const __m256i p01 = _mm256_packs_epi32(q[0], q[1]);
-      const __m256i p23 = _mm256_packs_epi32(q[2], q[3]);
-      __m256i p = _mm256_packs_epi16(p01, p23);
-      p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-      _mm256_storeu_si256((__m256i*)qb, p);
-      auto hsum = [](__m256i a, __m256i b) {
-        __m256i s = _mm256_add_epi32(a, b);
-        __m128i t = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
-        t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
-        t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1));
-        return _mm_cvtsi128_si32(t);
-      };
-      const int32_t s0 = hsum(q[0], q[1]), s1 = hsum(q[2], q[3]);
+      const V vid = set1(id);
+      VI q[N];
+      for (int i = 0; i < N; ++i) q[i] = cvt_i32(mul(v[i], vid));
+      store_i8(qb, q);
+      VI h0 = q[0], h1 = q[N / 2];  // columns 0..15, 16..31
+      for (int i = 1; i < N / 2; ++i) {
+        h0 = add_i32(h0, q[i]);
+        h1 = add_i32(h1, q[N / 2 + i]);
+      }
+      const int32_t s0 = reduce_add_i32(h0), s1 = reduce_add_i32(h1);
 #else
       float amax = 0.0f;
       for (int i = 0; i < 32; ++i) amax = imax(amax, std::fabs(xb[i]));
@@ -256,31 +225,32 @@ void quantize_act(const float* x, int64_t m0, int64_t m1, const ActQ& a) {
 #include "matmul_scalar.inc"
 #endif
 
+// run_tile<QT, rest> for rest in 1 .. T (nothing for 0)
+template <int QT, int T>
+inline void run_tile_upto(int64_t rest, const QWeights& w, const ActQ& a, int64_t g, int64_t m0, float* y,
+                          const float* bias) {
+  if constexpr (T >= 1) {
+    if (rest == T)
+      run_tile<QT, T>(w, a, g, m0, y, bias);
+    else
+      run_tile_upto<QT, T - 1>(rest, w, a, g, m0, y, bias);
+  }
+}
+
 template <int QT>
 void gemm_q(const QWeights& w, const ActQ& a, int64_t m, float* y, const float* bias, int64_t g0, int64_t g1) {
   for (int64_t g = g0; g < g1; ++g) {
-#if defined(K_AVX512) || defined(K_AVX2)
+#if defined(K_SIMD)
     // many activation rows: the group's tiles take long enough to fetch the next group's
     // weights meanwhile, which would otherwise stall the first tile on memory
     if (m > kMaxTile && g + 1 < w.ngroups) {
-      const char* next = reinterpret_cast<const char*>(w.data + (g + 1) * w.group_bytes);
-      for (int64_t off = 0; off < w.group_bytes; off += 64) _mm_prefetch(next + off, _MM_HINT_T1);
+      const uint8_t* next = w.data + (g + 1) * w.group_bytes;
+      for (int64_t off = 0; off < w.group_bytes; off += 64) simd::prefetch_l2(next + off);
     }
 #endif
     int64_t m0 = 0;
     for (; m0 + kMaxTile <= m; m0 += kMaxTile) run_tile<QT, kMaxTile>(w, a, g, m0, y, bias);
-    switch (m - m0) {
-#if defined(K_AVX512)
-      case 7: run_tile<QT, 7>(w, a, g, m0, y, bias); break;
-      case 6: run_tile<QT, 6>(w, a, g, m0, y, bias); break;
-      case 5: run_tile<QT, 5>(w, a, g, m0, y, bias); break;
-      case 4: run_tile<QT, 4>(w, a, g, m0, y, bias); break;
-      case 3: run_tile<QT, 3>(w, a, g, m0, y, bias); break;
-      case 2: run_tile<QT, 2>(w, a, g, m0, y, bias); break;
-#endif
-      case 1: run_tile<QT, 1>(w, a, g, m0, y, bias); break;
-      default: break;
-    }
+    run_tile_upto<QT, kMaxTile - 1>(m - m0, w, a, g, m0, y, bias);
   }
 }
 
@@ -288,91 +258,56 @@ void gemm_q(const QWeights& w, const ActQ& a, int64_t m, float* y, const float* 
 // float weights (F32 / F16 / BF16, row-major): y[m, r] = dot(x[m], w[r]); per (m, r) two
 // accumulators over alternating chunks, then a fixed reduction.
 
-#if defined(K_AVX512)
+#if defined(K_SIMD)
 template <int QT>
-inline __m512 loadw16(const uint8_t* row, int64_t k) {
-  if constexpr (QT == kF32) return _mm512_loadu_ps((const float*)row + k);
-  if constexpr (QT == kF16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(row + 2 * k)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(row + 2 * k))), 16));
+inline simd::V load_w(const uint8_t* row, int64_t k) {
+  if constexpr (QT == kF32) return simd::loadu((const float*)row + k);
+  if constexpr (QT == kF16) return simd::load_f16(row + 2 * k);
+  return simd::load_bf16(row + 2 * k);
 }
+#if defined(K_MASK)
 template <int QT>
-inline __m512 loadw16_mask(const uint8_t* row, int64_t k, __mmask16 msk) {
-  if constexpr (QT == kF32) return _mm512_maskz_loadu_ps(msk, (const float*)row + k);
-  const __m256i h = _mm256_maskz_loadu_epi16(msk, row + 2 * k);
-  if constexpr (QT == kF16) return _mm512_cvtph_ps(h);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+inline simd::V maskz_load_w(simd::Mask msk, const uint8_t* row, int64_t k) {
+  if constexpr (QT == kF32) return simd::maskz_loadu(msk, (const float*)row + k);
+  if constexpr (QT == kF16) return simd::maskz_load_f16(msk, row + 2 * k);
+  return simd::maskz_load_bf16(msk, row + 2 * k);
 }
+#endif
 
 template <int QT, int T>
 void float_rows(const QWeights& w, const float* x, int64_t m0, float* y, const float* bias, int64_t r) {
+  using namespace simd;
   const uint8_t* row = w.data + r * w.unit_bytes;
   const int64_t n = w.cols;
-  __m512 a0[T], a1[T];
-  for (int t = 0; t < T; ++t) a0[t] = a1[t] = _mm512_setzero_ps();
+  V a0[T], a1[T];
+  for (int t = 0; t < T; ++t) a0[t] = a1[t] = zero();
   int64_t k = 0;
-  for (; k + 32 <= n; k += 32) {
-    const __m512 w0 = loadw16<QT>(row, k), w1 = loadw16<QT>(row, k + 16);
+  for (; k + 2 * kW <= n; k += 2 * kW) {
+    const V w0 = load_w<QT>(row, k), w1 = load_w<QT>(row, k + kW);
     for (int t = 0; t < T; ++t) {
       const float* xr = x + (m0 + t) * n;
-      a0[t] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xr + k), a0[t]);
-      a1[t] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr + k + 16), a1[t]);
+      a0[t] = fmadd(w0, loadu(xr + k), a0[t]);
+      a1[t] = fmadd(w1, loadu(xr + k + kW), a1[t]);
     }
   }
-  if (k + 16 <= n) {
-    const __m512 w0 = loadw16<QT>(row, k);
-    for (int t = 0; t < T; ++t) a0[t] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + (m0 + t) * n + k), a0[t]);
-    k += 16;
+  if (k + kW <= n) {
+    const V w0 = load_w<QT>(row, k);
+    for (int t = 0; t < T; ++t) a0[t] = fmadd(w0, loadu(x + (m0 + t) * n + k), a0[t]);
+    k += kW;
   }
+#if defined(K_MASK)
   if (k < n) {
-    const __mmask16 msk = __mmask16((1u << (n - k)) - 1);
-    const __m512 w1 = loadw16_mask<QT>(row, k, msk);
-    for (int t = 0; t < T; ++t)
-      a1[t] = _mm512_fmadd_ps(w1, _mm512_maskz_loadu_ps(msk, x + (m0 + t) * n + k), a1[t]);
+    const Mask msk = tail_mask(n - k);
+    const V w1 = maskz_load_w<QT>(msk, row, k);
+    for (int t = 0; t < T; ++t) a1[t] = fmadd(w1, maskz_loadu(msk, x + (m0 + t) * n + k), a1[t]);
   }
+#endif
   for (int t = 0; t < T; ++t) {
-    const float v = _mm512_reduce_add_ps(_mm512_add_ps(a0[t], a1[t]));
-    y[(m0 + t) * w.rows + r] = bias ? v + bias[r] : v;
-  }
-}
-constexpr int kFloatTile = 4;
-#elif defined(K_AVX2)
-template <int QT>
-inline __m256 loadw8(const uint8_t* row, int64_t k) {
-  if constexpr (QT == kF32) return _mm256_loadu_ps((const float*)row + k);
-  const __m128i h = _mm_loadu_si128((const __m128i*)(row + 2 * k));
-  if constexpr (QT == kF16) return _mm256_cvtph_ps(h);
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-template <int QT, int T>
-void float_rows(const QWeights& w, const float* x, int64_t m0, float* y, const float* bias, int64_t r) {
-  const uint8_t* row = w.data + r * w.unit_bytes;
-  const int64_t n = w.cols;
-  __m256 a0[T], a1[T];
-  for (int t = 0; t < T; ++t) a0[t] = a1[t] = _mm256_setzero_ps();
-  int64_t k = 0;
-  for (; k + 16 <= n; k += 16) {
-    const __m256 w0 = loadw8<QT>(row, k), w1 = loadw8<QT>(row, k + 8);
-    for (int t = 0; t < T; ++t) {
-      const float* xr = x + (m0 + t) * n;
-      a0[t] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xr + k), a0[t]);
-      a1[t] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xr + k + 8), a1[t]);
-    }
-  }
-  if (k + 8 <= n) {
-    const __m256 w0 = loadw8<QT>(row, k);
-    for (int t = 0; t < T; ++t) a0[t] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + (m0 + t) * n + k), a0[t]);
-    k += 8;
-  }
-  for (int t = 0; t < T; ++t) {
-    float v = hsum8(_mm256_add_ps(a0[t], a1[t]));
+    float v = reduce_add(add(a0[t], a1[t]));
+#if !defined(K_MASK)
     const float* xr = x + (m0 + t) * n;
     for (int64_t kk = k; kk < n; ++kk) v = v + float_weight(w, row, kk) * xr[kk];
+#endif
     y[(m0 + t) * w.rows + r] = bias ? v + bias[r] : v;
   }
 }
@@ -425,69 +360,28 @@ void gemm(const QWeights& w, const ActQ& a, const float* x, int64_t m, float* y,
 // ===========================================================================
 // Elementwise / row ops
 
-#if defined(K_AVX512)
-// exp for x in [-88.37, 88.37] (clamped), cephes polynomial, ~1 ulp
-inline __m512 exp512(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-88.3762626647949f)), _mm512_set1_ps(88.3762626647949f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500E-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507E-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073E-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894E-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459E-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201E-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, n);
-}
-#elif defined(K_AVX2)
-inline __m256 exp256(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500E-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507E-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073E-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894E-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459E-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201E-1f));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-#endif
-
 // sum of squares with a fixed order per row
 inline float sum_sq(const float* x, int64_t n) {
-#if defined(K_AVX512)
-  __m512 a0 = _mm512_setzero_ps(), a1 = a0;
+#if defined(K_SIMD)
+  using namespace simd;
+  V a0 = zero(), a1 = a0;
   int64_t k = 0;
-  for (; k + 32 <= n; k += 32) {
-    const __m512 v0 = _mm512_loadu_ps(x + k), v1 = _mm512_loadu_ps(x + k + 16);
-    a0 = _mm512_fmadd_ps(v0, v0, a0);
-    a1 = _mm512_fmadd_ps(v1, v1, a1);
+  for (; k + 2 * kW <= n; k += 2 * kW) {
+    const V v0 = loadu(x + k), v1 = loadu(x + k + kW);
+    a0 = fmadd(v0, v0, a0);
+    a1 = fmadd(v1, v1, a1);
   }
-  for (; k < n; k += 16) {
-    const __mmask16 msk = n - k >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - k)) - 1);
-    const __m512 v = _mm512_maskz_loadu_ps(msk, x + k);
-    a0 = _mm512_fmadd_ps(v, v, a0);
+#if defined(K_MASK)
+  for (; k < n; k += kW) {
+    const V v = maskz_loadu(tail_mask(n - k), x + k);
+    a0 = fmadd(v, v, a0);
   }
-  return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
-#elif defined(K_AVX2)
-  __m256 a0 = _mm256_setzero_ps(), a1 = a0;
-  int64_t k = 0;
-  for (; k + 16 <= n; k += 16) {
-    const __m256 v0 = _mm256_loadu_ps(x + k), v1 = _mm256_loadu_ps(x + k + 8);
-    a0 = _mm256_fmadd_ps(v0, v0, a0);
-    a1 = _mm256_fmadd_ps(v1, v1, a1);
-  }
-  float s = hsum8(_mm256_add_ps(a0, a1));
+  return reduce_add(add(a0, a1));
+#else
+  float s = reduce_add(add(a0, a1));
   for (; k < n; ++k) s = s + x[k] * x[k];
   return s;
+#endif
 #else
   float a[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   int64_t k = 0;
@@ -541,19 +435,13 @@ void swiglu(const float* gu, float* out, int64_t r0, int64_t r1, int64_t n) {
     const float* u = g + n;
     float* o = out + r * n;
     int64_t k = 0;
-#if defined(K_AVX512)
-    const __m512 one = _mm512_set1_ps(1.0f);
-    for (; k + 16 <= n; k += 16) {
-      const __m512 gv = _mm512_loadu_ps(g + k);
-      const __m512 sv = _mm512_div_ps(gv, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
-      _mm512_storeu_ps(o + k, _mm512_mul_ps(sv, _mm512_loadu_ps(u + k)));
-    }
-#elif defined(K_AVX2)
-    const __m256 one = _mm256_set1_ps(1.0f);
-    for (; k + 8 <= n; k += 8) {
-      const __m256 gv = _mm256_loadu_ps(g + k);
-      const __m256 sv = _mm256_div_ps(gv, _mm256_add_ps(one, exp256(_mm256_sub_ps(_mm256_setzero_ps(), gv))));
-      _mm256_storeu_ps(o + k, _mm256_mul_ps(sv, _mm256_loadu_ps(u + k)));
+#if defined(K_SIMD)
+    using namespace simd;
+    const V one = set1(1.0f);
+    for (; k + kW <= n; k += kW) {
+      const V gv = loadu(g + k);
+      const V sv = div(gv, add(one, exp(sub(zero(), gv))));
+      storeu(o + k, mul(sv, loadu(u + k)));
     }
 #endif
     for (; k < n; ++k) o[k] = (g[k] / (1.0f + std::exp(-g[k]))) * u[k];
@@ -564,24 +452,16 @@ void swiglu(const float* gu, float* out, int64_t r0, int64_t r1, int64_t n) {
 inline float exp_sub_sum(const float* x, float* p, int64_t n, float mx) {
   int64_t k = 0;
   float sum = 0.0f;
-#if defined(K_AVX512)
-  __m512 acc = _mm512_setzero_ps();
-  const __m512 vm = _mm512_set1_ps(mx);
-  for (; k + 16 <= n; k += 16) {
-    const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(x + k), vm));
-    _mm512_storeu_ps(p + k, e);
-    acc = _mm512_add_ps(acc, e);
+#if defined(K_SIMD)
+  using namespace simd;
+  V acc = zero();
+  const V vm = set1(mx);
+  for (; k + kW <= n; k += kW) {
+    const V e = exp(sub(loadu(x + k), vm));
+    storeu(p + k, e);
+    acc = add(acc, e);
   }
-  sum = _mm512_reduce_add_ps(acc);
-#elif defined(K_AVX2)
-  __m256 acc = _mm256_setzero_ps();
-  const __m256 vm = _mm256_set1_ps(mx);
-  for (; k + 8 <= n; k += 8) {
-    const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(x + k), vm));
-    _mm256_storeu_ps(p + k, e);
-    acc = _mm256_add_ps(acc, e);
-  }
-  sum = hsum8(acc);
+  sum = reduce_add(acc);
 #endif
   for (; k < n; ++k) {
     p[k] = std::exp(x[k] - mx);
@@ -610,22 +490,22 @@ void softmax(const float* x, float* out, int64_t r0, int64_t r1, int64_t n) {
 // attention
 
 inline float dot(const float* a, const float* b, int64_t n) {
-#if defined(K_AVX512)
-  __m512 acc = _mm512_setzero_ps();
+#if defined(K_SIMD)
+  using namespace simd;
+  V acc = zero();
   int64_t k = 0;
-  for (; k + 16 <= n; k += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + k), _mm512_loadu_ps(b + k), acc);
+  for (; k + kW <= n; k += kW) acc = fmadd(loadu(a + k), loadu(b + k), acc);
+#if defined(K_MASK)
   if (k < n) {
-    const __mmask16 msk = __mmask16((1u << (n - k)) - 1);
-    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(msk, a + k), _mm512_maskz_loadu_ps(msk, b + k), acc);
+    const Mask msk = tail_mask(n - k);
+    acc = fmadd(maskz_loadu(msk, a + k), maskz_loadu(msk, b + k), acc);
   }
-  return _mm512_reduce_add_ps(acc);
-#elif defined(K_AVX2)
-  __m256 acc = _mm256_setzero_ps();
-  int64_t k = 0;
-  for (; k + 8 <= n; k += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + k), _mm256_loadu_ps(b + k), acc);
-  float s = hsum8(acc);
+  return reduce_add(acc);
+#else
+  float s = reduce_add(acc);
   for (; k < n; ++k) s = s + a[k] * b[k];
   return s;
+#endif
 #else
   float s = 0.0f;
   for (int64_t k = 0; k < n; ++k) s = s + a[k] * b[k];
@@ -636,14 +516,10 @@ inline float dot(const float* a, const float* b, int64_t n) {
 // y += a * x
 inline void axpy(float* y, float a, const float* x, int64_t n) {
   int64_t k = 0;
-#if defined(K_AVX512)
-  const __m512 va = _mm512_set1_ps(a);
-  for (; k + 16 <= n; k += 16)
-    _mm512_storeu_ps(y + k, _mm512_fmadd_ps(va, _mm512_loadu_ps(x + k), _mm512_loadu_ps(y + k)));
-#elif defined(K_AVX2)
-  const __m256 va = _mm256_set1_ps(a);
-  for (; k + 8 <= n; k += 8)
-    _mm256_storeu_ps(y + k, _mm256_fmadd_ps(va, _mm256_loadu_ps(x + k), _mm256_loadu_ps(y + k)));
+#if defined(K_SIMD)
+  using namespace simd;
+  const V va = set1(a);
+  for (; k + kW <= n; k += kW) storeu(y + k, fmadd(va, loadu(x + k), loadu(y + k)));
 #endif
   for (; k < n; ++k) y[k] = y[k] + a * x[k];
 }
@@ -814,30 +690,17 @@ void to_half(const float* src, uint16_t* dst, int64_t n, bool bf16) {
 }
 
 uint64_t read_bytes(const uint8_t* p, int64_t n) {
-#if defined(K_AVX512)
-  __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
+#if defined(K_SIMD)
+  using namespace simd;
+  VI a0 = zero_bytes(), a1 = a0, a2 = a0, a3 = a0;
   int64_t k = 0;
-  for (; k + 256 <= n; k += 256) {
-    a0 = _mm512_xor_si512(a0, _mm512_loadu_si512(p + k));
-    a1 = _mm512_xor_si512(a1, _mm512_loadu_si512(p + k + 64));
-    a2 = _mm512_xor_si512(a2, _mm512_loadu_si512(p + k + 128));
-    a3 = _mm512_xor_si512(a3, _mm512_loadu_si512(p + k + 192));
+  for (; k + 4 * kBytes <= n; k += 4 * kBytes) {
+    a0 = xor_bytes(a0, loadu_bytes(p + k));
+    a1 = xor_bytes(a1, loadu_bytes(p + k + kBytes));
+    a2 = xor_bytes(a2, loadu_bytes(p + k + 2 * kBytes));
+    a3 = xor_bytes(a3, loadu_bytes(p + k + 3 * kBytes));
   }
-  a0 = _mm512_xor_si512(_mm512_xor_si512(a0, a1), _mm512_xor_si512(a2, a3));
-  uint64_t h = uint64_t(_mm512_reduce_add_epi64(a0));
-#elif defined(K_AVX2)
-  __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
-  int64_t k = 0;
-  for (; k + 128 <= n; k += 128) {
-    a0 = _mm256_xor_si256(a0, _mm256_loadu_si256((const __m256i*)(p + k)));
-    a1 = _mm256_xor_si256(a1, _mm256_loadu_si256((const __m256i*)(p + k + 32)));
-    a2 = _mm256_xor_si256(a2, _mm256_loadu_si256((const __m256i*)(p + k + 64)));
-    a3 = _mm256_xor_si256(a3, _mm256_loadu_si256((const __m256i*)(p + k + 96)));
-  }
-  a0 = _mm256_xor_si256(_mm256_xor_si256(a0, a1), _mm256_xor_si256(a2, a3));
-  alignas(32) uint64_t t[4];
-  _mm256_store_si256((__m256i*)t, a0);
-  uint64_t h = t[0] ^ t[1] ^ t[2] ^ t[3];
+  uint64_t h = fold_u64(xor_bytes(xor_bytes(a0, a1), xor_bytes(a2, a3)));
 #else
   uint64_t h = 0;
   int64_t k = 0;
