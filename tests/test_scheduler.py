@@ -12,9 +12,9 @@ import random
 import pytest
 
 from churon.engine.block_manager import BlockManager
-from churon.sampling import SamplingParams
 from churon.engine.scheduler import CacheCapacityError, ScheduledSeq, Scheduler, SchedulerOutput
 from churon.engine.sequence import Sequence, SequenceStatus
+from churon.sampling import SamplingParams
 from test_block_manager import check_invariants
 
 

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import torch
 
 from churon.config import EngineConfig, ModelConfig
-from churon.errors import ChuronError
 from churon.engine.kv_cache import kv_bytes_per_token
+from churon.errors import ChuronError
 
 FP32 = 4
 

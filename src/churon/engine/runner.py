@@ -10,9 +10,9 @@ from typing import Sequence
 import torch
 
 from churon.engine.kv_cache import PagedKVCache
+from churon.engine.scheduler import ScheduledSeq
 from churon.model.batch import ForwardBatch, SequenceChunk
 from churon.model.transformer import Transformer
-from churon.engine.scheduler import ScheduledSeq
 
 
 class ModelRunner:

@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 from typing import Mapping
 
 from churon.engine.block_manager import BlockManager
-from churon.errors import ChuronError
 from churon.engine.sequence import FinishReason, Sequence, SequenceStatus
+from churon.errors import ChuronError
 
 
 class CacheCapacityError(ChuronError, RuntimeError):

@@ -16,8 +16,7 @@ from typing import AsyncIterator
 
 from starlette.requests import Request
 
-from churon.engine.async_engine import AsyncLLMEngine
-from churon.engine import CompletionOutput, Delta
+from churon.engine import AsyncLLMEngine, CompletionOutput, Delta
 from churon.errors import ContextLengthError
 from churon.sampling import SamplingParams
 from churon.server.errors import APIError
