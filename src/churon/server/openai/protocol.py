@@ -1,52 +1,49 @@
 """The OpenAI API's request bodies as pydantic models.
 
 Field names are OpenAI's (plus vLLM's /tokenize and /detokenize and its `ignore_eos`
-vendor field). Models are strict: a string where a number belongs, or a field OpenAI does
-not know, is a 400 naming the field, as OpenAI answers it, not a silent coercion.
+vendor field). Strict about the fields they know, lenient about others (RequestModel).
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
+
+from churon.server.request_model import RequestModel
 
 
 MAX_N = 128  # choices per request: each is a whole engine request
 
 
-class _Request(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid")
-
-
-class TextPart(_Request):
+class TextPart(RequestModel):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(_Request):
+class ChatMessage(RequestModel):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart]
     name: str | None = None
 
 
-class JsonSchemaFormat(_Request):
+class JsonSchemaFormat(RequestModel):
     name: str
     schema_: dict[str, Any] = Field(alias="schema")
     description: str | None = None
     strict: bool | None = None
 
 
-class ResponseFormat(_Request):
+class ResponseFormat(RequestModel):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
 
-class StreamOptions(_Request):
+class StreamOptions(RequestModel):
     include_usage: bool = False
 
 
-class SamplingFields(_Request):
+class SamplingFields(RequestModel):
     """The fields chat and completions requests share."""
 
     model: str | None = None
@@ -83,7 +80,7 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
 
 
-class TokenizeRequest(_Request):
+class TokenizeRequest(RequestModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -91,6 +88,6 @@ class TokenizeRequest(_Request):
     add_generation_prompt: bool = True  # messages only
 
 
-class DetokenizeRequest(_Request):
+class DetokenizeRequest(RequestModel):
     model: str | None = None
     tokens: list[int]
