@@ -6,11 +6,13 @@ says which flags each sets. Loaders (formats/gguf.py, formats/hf.py) fill this i
 
 from __future__ import annotations
 
+import math
+import numbers
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Mapping
 
-from churon.errors import UnsupportedModelError
+from churon.errors import ModelFileError, UnsupportedModelError
 
 # architecture name (GGUF general.architecture / HF model_type) -> flags that differ from plain Llama
 SUPPORTED_ARCHITECTURES: dict[str, dict[str, bool]] = {
@@ -21,6 +23,8 @@ SUPPORTED_ARCHITECTURES: dict[str, dict[str, bool]] = {
 
 
 def check_architecture(name: str, source: str) -> dict[str, bool]:
+    if not isinstance(name, str):
+        raise ModelFileError(f"{source}: the architecture {name!r:.80} is not a string")
     if name not in SUPPORTED_ARCHITECTURES:
         supported = ", ".join(sorted(SUPPORTED_ARCHITECTURES))
         raise UnsupportedModelError(f"{source}: architecture {name!r} is not supported (supported: {supported})")
@@ -47,6 +51,117 @@ class ModelConfig:
     attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
     qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3)
     extra: dict[str, Any] = field(default_factory=dict)  # informational only (file type, name, ...)
+
+
+# Limits a model file's architecture fields are held to before anything is sized by them.
+MAX_LAYERS = 512  # llama.cpp's LLAMA_MAX_LAYERS
+# The longest context of a released Llama / Qwen model (Gradient's 4M Llama 3); the RoPE tables are this long.
+MAX_CONTEXT_LENGTH = 1 << 22
+# Every dimension is a dimension of some weight the file holds, and a weight takes at least one bit.
+BITS_PER_BYTE = 8
+
+_MISSING = object()
+
+
+class ConfigReader:
+    """Typed reads of a model file's architecture fields (GGUF metadata, config.json): an integer is an
+    integer (not a bool, float, string, list or null) within its bounds, a float is finite and positive;
+    anything else is a ModelFileError naming the file, the key and the value."""
+
+    def __init__(self, values: Mapping[str, Any], source: str):
+        self.values, self.source = values, source
+
+    def _get(self, key: str, default: Any) -> Any:
+        value = self.values.get(key)
+        if value is None:  # config.json writes null for "not set" (head_dim, num_key_value_heads)
+            if default is _MISSING:
+                raise ModelFileError(f"{self.source}: field {key!r} is missing")
+            return default
+        return value
+
+    def integer(self, key: str, default: Any = _MISSING, lo: int = 1, hi: int | None = None, why: str = "") -> int:
+        value = self._get(key, default)
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise ModelFileError(f"{self.source}: {key} = {value!r:.80} is not an integer")
+        if value < lo:
+            raise ModelFileError(f"{self.source}: {key} = {value} must be at least {lo}")
+        if hi is not None and value > hi:
+            raise ModelFileError(f"{self.source}: {key} = {value} is more than {hi}{why}")
+        return int(value)
+
+    def number(self, key: str, default: Any = _MISSING) -> float:
+        return positive_float(self._get(key, default), key, self.source)
+
+    def boolean(self, key: str, default: bool) -> bool:
+        value = self._get(key, default)
+        if not isinstance(value, bool):
+            raise ModelFileError(f"{self.source}: {key} = {value!r:.80} is not a boolean")
+        return value
+
+    def dimension(self, key: str, file_bytes: int, default: Any = _MISSING) -> int:
+        """A size some weight of the file has: no larger than the file's bits."""
+        why = f": the weights it sizes cannot fit in the model's {file_bytes} bytes"
+        return self.integer(key, default, hi=file_bytes * BITS_PER_BYTE, why=why)
+
+    def head_dim(self, keys: Mapping[str, str], hidden: int, heads: int, file_bytes: int) -> int:
+        """The head dimension: its own field, else hidden size / heads (as llama.cpp and transformers take it)."""
+        if self.values.get(keys["head_dim"]) is None and heads > hidden:
+            raise ModelFileError(
+                f"{self.source}: {keys['num_heads']} = {heads} is more than {keys['hidden_size']} = {hidden}"
+                f" and {keys['head_dim']} is not given"
+            )
+        return self.dimension(keys["head_dim"], file_bytes, default=hidden // heads)
+
+
+def positive_float(value: Any, key: str, source: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ModelFileError(f"{source}: {key} = {value!r:.80} is not a number")
+    if not math.isfinite(value) or value <= 0:
+        raise ModelFileError(f"{source}: {key} = {value!r} must be a finite number greater than 0")
+    return float(value)
+
+
+def check_rope_scaling(scaling: Any, key: str, source: str) -> dict[str, Any] | None:
+    """A RoPE scaling dict (Hugging Face's rope_scaling / rope_parameters) as model/rope.py reads it, every
+    factor it uses present and finite; None for no scaling."""
+    if scaling is None:
+        return None
+    if not isinstance(scaling, Mapping):
+        raise ModelFileError(f"{source}: {key} = {scaling!r:.80} is not an object")
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if not isinstance(kind, (str, type(None))):
+        raise ModelFileError(f"{source}: {key}: rope_type = {kind!r:.80} is not a string")
+    if kind in (None, "default"):
+        return None
+    r = ConfigReader(scaling, source)
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": r.number("factor")}
+    if kind == "llama3":
+        out = {
+            "rope_type": "llama3",
+            "factor": r.number("factor"),
+            "low_freq_factor": r.number("low_freq_factor", 1.0),
+            "high_freq_factor": r.number("high_freq_factor", 4.0),
+            "original_max_position_embeddings": r.integer("original_max_position_embeddings", hi=MAX_CONTEXT_LENGTH),
+        }
+        if out["high_freq_factor"] <= out["low_freq_factor"]:  # the smoothing divides by their difference
+            raise ModelFileError(
+                f"{source}: {key}: high_freq_factor = {out['high_freq_factor']} must be greater than"
+                f" low_freq_factor = {out['low_freq_factor']}"
+            )
+        return out
+    raise UnsupportedModelError(f"{source}: {key}: RoPE scaling type {kind!r:.80} is not supported (supported: linear, llama3)")
+
+
+def check_config(c: ModelConfig, keys: Mapping[str, str], source: str) -> None:
+    """The architecture's fields fit one another; keys name each ModelConfig field as the file spells it."""
+    if c.num_heads % c.num_kv_heads:
+        raise ModelFileError(
+            f"{source}: {keys['num_kv_heads']} = {c.num_kv_heads} does not divide {keys['num_heads']} = {c.num_heads}"
+            " (each KV head serves a whole group of query heads)"
+        )
+    if c.head_dim % 2:
+        raise ModelFileError(f"{source}: {keys['head_dim']} = {c.head_dim} is odd (RoPE rotates pairs of dimensions)")
 
 
 def default_threads() -> int:

@@ -29,11 +29,12 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
 
 
 def open_model(model: str | os.PathLike, pull: bool = True) -> ModelSource:
-    """Open a model file without reading its weights: a registry name, a .gguf file or an HF directory."""
+    """Open a model file without reading its weights: a registry name, a .gguf file or an HF directory.
+    Its architecture and tensor index are checked (check_weights) before anything is sized by them."""
     path = resolve_model(model, pull=pull)
-    if path.is_dir():
-        return HFModel(path)
-    return GGUFModel(path)
+    source = HFModel(path) if path.is_dir() else GGUFModel(path)
+    check_weights(source)
+    return source
 
 
 def check_weights(source: ModelSource) -> None:
@@ -76,7 +77,6 @@ def load_model(
         dtype = DTYPES[dtype]
     backend = make_backend(kernels, dtype)
     source = open_model(model, pull=pull)
-    check_weights(source)
     source.check_types()
     tokenizer = load_tokenizer(source)
     transformer = Transformer(source.config, source.load_weights(), backend)

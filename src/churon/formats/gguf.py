@@ -1,27 +1,55 @@
 """GGUF files (llama.cpp's format, v2 and v3): metadata, tensor index, memory-mapped data.
 
-Parsing is done by the `gguf` package; this module turns its fields into plain Python
-values, checks that every tensor lies inside the file, and reports problems as
-ModelFileError naming the file.
+churon reads the header itself, over a memory map, the way llama.cpp's gguf.cpp does: every
+length and count is checked against the bytes that remain before anything is read or sized by
+it (a short read is an error, never a loop), keys and tensor names are unique, nested arrays are
+refused, and each tensor's bytes lie inside the data section, aligned, and overlap no other
+tensor's. Every problem is a ModelFileError naming the file and the key or tensor.
 """
 
 from __future__ import annotations
 
+import mmap
 import os
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
-from churon.config import ModelConfig, check_architecture
+from churon.config import (
+    MAX_CONTEXT_LENGTH,
+    MAX_LAYERS,
+    ConfigReader,
+    ModelConfig,
+    check_architecture,
+    check_config,
+)
 from churon.errors import ModelFileError, UnsupportedModelError
 from churon.formats.quants import SUPPORTED_TYPES
 from churon.formats.tensor_info import TensorInfo
 
 GGUF_MAGIC = b"GGUF"
+GGUF_VERSIONS = (2, 3)  # v1 had 32-bit counts and lengths; llama.cpp no longer reads it either
+DEFAULT_ALIGNMENT = 32
+MAX_DIMS = 4  # GGML_MAX_DIMS
+
+# scalar value types: struct format and size
+_SCALARS = {
+    GGUFValueType.UINT8: "<B", GGUFValueType.INT8: "<b", GGUFValueType.UINT16: "<H", GGUFValueType.INT16: "<h",
+    GGUFValueType.UINT32: "<I", GGUFValueType.INT32: "<i", GGUFValueType.FLOAT32: "<f", GGUFValueType.BOOL: "<?",
+    GGUFValueType.UINT64: "<Q", GGUFValueType.INT64: "<q", GGUFValueType.FLOAT64: "<d",
+}
+_NUMPY = {
+    GGUFValueType.UINT8: "<u1", GGUFValueType.INT8: "<i1", GGUFValueType.UINT16: "<u2", GGUFValueType.INT16: "<i2",
+    GGUFValueType.UINT32: "<u4", GGUFValueType.INT32: "<i4", GGUFValueType.FLOAT32: "<f4", GGUFValueType.BOOL: "?",
+    GGUFValueType.UINT64: "<u8", GGUFValueType.INT64: "<i8", GGUFValueType.FLOAT64: "<f8",
+}
+_U32 = struct.Struct("<I")
+_U64 = struct.Struct("<Q")
 
 
 @dataclass
@@ -46,6 +74,8 @@ class GGUFFile:
     version: int
     metadata: dict[str, Any]
     tensors: dict[str, GGUFTensor]
+    # key -> (value type, element type of an array or None): what a copy must write back (quantize)
+    value_types: dict[str, tuple[GGUFValueType, GGUFValueType | None]]
 
     @classmethod
     def open(cls, path: str | os.PathLike) -> "GGUFFile":
@@ -54,37 +84,10 @@ class GGUFFile:
             raise ModelFileError(f"{path}: no such file")
         with open(path, "rb") as f:
             magic = f.read(4)
-        if magic != GGUF_MAGIC:
-            raise ModelFileError(f"{path}: not a GGUF file (starts with {magic!r}, expected {GGUF_MAGIC!r})")
-        try:
-            reader = GGUFReader(path, "r")
-        except Exception as e:  # the gguf package raises bare ValueError/IndexError on bad bytes
-            raise ModelFileError(f"{path}: malformed or truncated GGUF header: {e}") from e
-        metadata = {}
-        for key, field in reader.fields.items():
-            if key.startswith("GGUF."):
-                continue
-            metadata[key] = _field_value(field)
-        file_size = path.stat().st_size
-        tensors = {}
-        for t in reader.tensors:
-            qtype = GGMLQuantizationType(int(t.tensor_type)) if int(t.tensor_type) in _KNOWN_TYPES else None
-            shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-            if qtype is None:
-                raise ModelFileError(f"{path}: tensor {t.name!r} has unknown GGML type id {int(t.tensor_type)}")
-            block, type_size = GGML_QUANT_SIZES[qtype]
-            n_elements = int(np.prod(shape))
-            n_bytes = n_elements // block * type_size
-            if t.data_offset + n_bytes > file_size:
-                raise ModelFileError(
-                    f"{path}: truncated: tensor {t.name!r} needs bytes {t.data_offset}..{t.data_offset + n_bytes}"
-                    f" but the file has {file_size}"
-                )
-            raw = np.asarray(t.data).reshape(-1).view(np.uint8)
-            tensors[t.name] = GGUFTensor(t.name, shape, qtype, raw)
-        version_field = reader.fields.get("GGUF.version")
-        version = int(version_field.contents()) if version_field is not None else 0
-        return cls(path, version, metadata, tensors)
+            if magic != GGUF_MAGIC:
+                raise ModelFileError(f"{path}: not a GGUF file (starts with {magic!r}, expected {GGUF_MAGIC!r})")
+            buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        return _HeaderReader(path, buf).read()
 
     def get(self, key: str, default: Any = None) -> Any:
         return self.metadata.get(key, default)
@@ -95,15 +98,190 @@ class GGUFFile:
         return self.metadata[key]
 
 
-_KNOWN_TYPES = {int(t) for t in GGMLQuantizationType}
+class _HeaderReader:
+    """One pass over the header; `pos` only moves forward, and only after `_need` said the bytes are there."""
+
+    def __init__(self, path: Path, buf: mmap.mmap):
+        self.path, self.buf, self.size, self.pos = path, buf, len(buf), 4
+
+    def _fail(self, what: str) -> ModelFileError:
+        return ModelFileError(f"{self.path}: malformed GGUF header: {what}")
+
+    def _need(self, n: int, what: str) -> None:
+        if n > self.size - self.pos:
+            raise ModelFileError(
+                f"{self.path}: truncated GGUF header: {what} at byte {self.pos} needs {n} bytes, {self.size - self.pos} remain"
+            )
+
+    def _u32(self, what: str) -> int:
+        self._need(4, what)
+        (v,) = _U32.unpack_from(self.buf, self.pos)
+        self.pos += 4
+        return v
+
+    def _u64(self, what: str) -> int:
+        self._need(8, what)
+        (v,) = _U64.unpack_from(self.buf, self.pos)
+        self.pos += 8
+        return v
+
+    def _string(self, what: str) -> str:
+        n = self._u64(f"the length of {what}")
+        self._need(n, f"{what} ({n} bytes)")
+        raw = self.buf[self.pos : self.pos + n]
+        self.pos += n
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise self._fail(f"{what} is not UTF-8 ({e.reason} at byte {e.start})") from None
+
+    def _value_type(self, what: str) -> GGUFValueType:
+        raw = self._u32(f"the type of {what}")
+        try:
+            return GGUFValueType(raw)
+        except ValueError:
+            raise self._fail(f"{what} has unknown value type {raw}") from None
+
+    def _value(self, vtype: GGUFValueType, key: str) -> Any:
+        if vtype == GGUFValueType.STRING:
+            return self._string(f"the value of {key!r}")
+        fmt = _SCALARS[vtype]
+        size = struct.calcsize(fmt)
+        self._need(size, f"the value of {key!r}")
+        (v,) = struct.unpack_from(fmt, self.buf, self.pos)
+        self.pos += size
+        return v
+
+    def _array(self, key: str) -> tuple[list, GGUFValueType]:
+        sub = self._value_type(f"the elements of {key!r}")
+        count = self._u64(f"the element count of {key!r}")
+        if sub == GGUFValueType.ARRAY:
+            raise self._fail(f"{key!r} is an array of arrays, which GGUF readers do not support")
+        # the count is checked against what remains before a single element is read: a string
+        # takes at least its 8-byte length
+        least = 8 if sub == GGUFValueType.STRING else struct.calcsize(_SCALARS[sub])
+        if count > (self.size - self.pos) // least:
+            raise self._fail(
+                f"array {key!r} declares {count} elements of {sub.name}, more than the {self.size - self.pos}"
+                f" bytes that remain can hold"
+            )
+        if sub != GGUFValueType.STRING:
+            values = np.frombuffer(self.buf, dtype=_NUMPY[sub], count=count, offset=self.pos).tolist()
+            self.pos += count * least
+            return values, sub
+        return self._strings(count, key), sub
+
+    def _strings(self, count: int, key: str) -> list[str]:
+        # the hot loop of a real file (a vocabulary and its merges: ~10^5 strings), kept tight
+        buf, pos, size, unpack = self.buf, self.pos, self.size, _U64.unpack_from
+        out = []
+        append = out.append
+        try:
+            for i in range(count):
+                if pos + 8 > size:
+                    self.pos = pos
+                    self._need(8, f"the length of {key}[{i}]")
+                (n,) = unpack(buf, pos)
+                pos += 8
+                if n > size - pos:
+                    self.pos = pos
+                    self._need(n, f"{key}[{i}] ({n} bytes)")
+                append(buf[pos : pos + n].decode("utf-8"))
+                pos += n
+        except UnicodeDecodeError as e:
+            raise self._fail(f"{key}[{len(out)}] is not UTF-8 ({e.reason} at byte {e.start})") from None
+        self.pos = pos
+        return out
+
+    def read(self) -> GGUFFile:
+        version = self._u32("the version")
+        if version not in GGUF_VERSIONS:
+            raise ModelFileError(
+                f"{self.path}: GGUF version {version} is not supported (supported: {', '.join(map(str, GGUF_VERSIONS))})"
+            )
+        n_tensors = self._u64("the tensor count")
+        n_kv = self._u64("the metadata count")
+        metadata: dict[str, Any] = {}
+        value_types: dict[str, tuple[GGUFValueType, GGUFValueType | None]] = {}
+        for k in range(n_kv):  # every field reads at least 12 bytes: a lying count ends at a short read
+            key = self._string(f"metadata key {k}")
+            if key in metadata:
+                raise self._fail(f"duplicate metadata key {key!r}")
+            vtype = self._value_type(f"metadata field {key!r}")
+            if vtype == GGUFValueType.ARRAY:
+                metadata[key], sub = self._array(key)
+            else:
+                metadata[key], sub = self._value(vtype, key), None
+            value_types[key] = (vtype, sub)
+        alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+        if isinstance(alignment, bool) or not isinstance(alignment, int) or alignment < 1 or alignment & (alignment - 1):
+            raise self._fail(f"general.alignment = {alignment!r} is not a power of two")
+
+        infos = []
+        for k in range(n_tensors):
+            name = self._string(f"the name of tensor {k}")
+            n_dims = self._u32(f"the dimension count of tensor {name!r}")
+            if not 1 <= n_dims <= MAX_DIMS:
+                raise self._fail(f"tensor {name!r} has {n_dims} dimensions (1 to {MAX_DIMS} are possible)")
+            ne = [self._u64(f"dimension {d} of tensor {name!r}") for d in range(n_dims)]
+            raw_type = self._u32(f"the type of tensor {name!r}")
+            offset = self._u64(f"the offset of tensor {name!r}")
+            infos.append((name, ne, raw_type, offset))
+        data_start = -(-self.pos // alignment) * alignment
+        tensors = self._tensors(infos, data_start, alignment)
+        return GGUFFile(self.path, version, metadata, tensors, value_types)
+
+    def _tensors(self, infos: list, data_start: int, alignment: int) -> dict[str, GGUFTensor]:
+        tensors: dict[str, GGUFTensor] = {}
+        extents = []
+        data_bytes = self.size - data_start
+        for name, ne, raw_type, offset in infos:
+            if name in tensors:
+                raise self._fail(f"duplicate tensor name {name!r}")
+            if raw_type not in _KNOWN_TYPES:
+                raise ModelFileError(f"{self.path}: tensor {name!r} has unknown GGML type id {raw_type}")
+            qtype = GGMLQuantizationType(raw_type)
+            block, type_size = GGML_QUANT_SIZES[qtype]
+            if any(d < 1 for d in ne) or ne[0] % block:
+                raise self._fail(
+                    f"tensor {name!r} has dimensions {ne}: each must be at least 1 and the first a multiple of"
+                    f" {qtype.name}'s block of {block}"
+                )
+            n_bytes = int(np.prod(ne, dtype=object)) // block * type_size  # Python integers: no overflow
+            if offset % alignment:
+                raise self._fail(f"tensor {name!r} has offset {offset}, not a multiple of the alignment {alignment}")
+            if offset > data_bytes or n_bytes > data_bytes - offset:
+                raise ModelFileError(
+                    f"{self.path}: truncated: tensor {name!r} needs bytes {data_start + offset}..{data_start + offset + n_bytes}"
+                    f" but the file has {self.size}"
+                )
+            extents.append((offset, n_bytes, name))
+            data = np.frombuffer(self.buf, dtype=np.uint8, count=n_bytes, offset=data_start + offset)
+            tensors[name] = GGUFTensor(name, tuple(reversed(ne)), qtype, data)
+        extents.sort()
+        for (start, n, name), (next_start, _, next_name) in zip(extents, extents[1:]):
+            if start + n > next_start:
+                raise self._fail(f"tensors {name!r} and {next_name!r} overlap (bytes {next_start}..{start + n})")
+        return tensors
 
 
-def _field_value(field) -> Any:
-    value = field.contents()
-    if isinstance(value, np.generic):
-        return value.item()
-    return value
+_KNOWN_TYPES = {int(t) for t in GGMLQuantizationType if t in GGML_QUANT_SIZES}
 
+
+# ModelConfig field -> its GGUF key after "{architecture}."
+_CONFIG_KEYS = {
+    "vocab_size": "vocab_size",
+    "hidden_size": "embedding_length",
+    "intermediate_size": "feed_forward_length",
+    "num_layers": "block_count",
+    "num_heads": "attention.head_count",
+    "num_kv_heads": "attention.head_count_kv",
+    "head_dim": "attention.key_length",
+    "context_length": "context_length",
+    "rms_norm_eps": "attention.layer_norm_rms_epsilon",
+    "rope_theta": "rope.freq_base",
+    "rope_scaling": "rope.scaling.type",
+}
 
 # GGUF tensor name -> canonical name (see model/transformer.py); blk.N. becomes layers.N.
 _GLOBAL_NAMES = {
@@ -161,38 +339,52 @@ class GGUFModel:
 
     def _config(self) -> ModelConfig:
         f = self.file
+        source = str(self.path)
         arch = f.require("general.architecture")
-        flags = check_architecture(arch, str(self.path))
-        p = arch + "."
-        heads = int(f.require(p + "attention.head_count"))
-        hidden = int(f.require(p + "embedding_length"))
+        flags = check_architecture(arch, source)
+        keys = {name: f"{arch}.{key}" for name, key in _CONFIG_KEYS.items()}
+        r = ConfigReader(f.metadata, source)
         embed = f.tensors.get("token_embd.weight")
         if embed is None:
             raise ModelFileError(f"{self.path}: tensor 'token_embd.weight' is missing")
-        vocab = int(f.get(p + "vocab_size", embed.shape[0]))  # Qwen files leave vocab_size out
+        size = self.path.stat().st_size
+        heads = r.dimension(keys["num_heads"], size)
+        hidden = r.dimension(keys["hidden_size"], size)
         rope_scaling = None
-        scaling_type = f.get(p + "rope.scaling.type")
+        scaling_type = f.get(keys["rope_scaling"])
         if scaling_type == "linear":
-            rope_scaling = {"rope_type": "linear", "factor": float(f.require(p + "rope.scaling.factor"))}
+            rope_scaling = {"rope_type": "linear", "factor": r.number(arch + ".rope.scaling.factor")}
+        elif not isinstance(scaling_type, (str, type(None))):
+            raise ModelFileError(f"{self.path}: {keys['rope_scaling']} = {scaling_type!r:.80} is not a string")
         elif scaling_type not in (None, "none"):
-            raise UnsupportedModelError(f"{self.path}: {p}rope.scaling.type {scaling_type!r} is not supported (supported: linear)")
-        return ModelConfig(
+            raise UnsupportedModelError(
+                f"{self.path}: {keys['rope_scaling']} {scaling_type!r} is not supported (supported: linear)"
+            )
+        config = ModelConfig(
             architecture=arch,
-            vocab_size=vocab,
+            vocab_size=r.dimension(keys["vocab_size"], size, default=embed.shape[0]),  # Qwen files leave it out
             hidden_size=hidden,
-            intermediate_size=int(f.require(p + "feed_forward_length")),
-            num_layers=int(f.require(p + "block_count")),
+            intermediate_size=r.dimension(keys["intermediate_size"], size),
+            num_layers=r.integer(keys["num_layers"], hi=MAX_LAYERS, why=" (llama.cpp's LLAMA_MAX_LAYERS)"),
             num_heads=heads,
-            num_kv_heads=int(f.get(p + "attention.head_count_kv", heads)),
-            head_dim=int(f.get(p + "attention.key_length", hidden // heads)),
-            context_length=int(f.require(p + "context_length")),
-            rms_norm_eps=float(f.require(p + "attention.layer_norm_rms_epsilon")),
-            rope_theta=float(f.get(p + "rope.freq_base", 10000.0)),
+            num_kv_heads=r.dimension(keys["num_kv_heads"], size, default=heads),
+            head_dim=r.head_dim(keys, hidden, heads, size),
+            context_length=r.integer(keys["context_length"], hi=MAX_CONTEXT_LENGTH),
+            rms_norm_eps=r.number(keys["rms_norm_eps"]),
+            rope_theta=r.number(keys["rope_theta"], 10000.0),
             rope_scaling=rope_scaling,
             tie_word_embeddings="output.weight" not in f.tensors,
             **flags,
             extra={"name": f.get("general.name"), "file_type": f.get("general.file_type")},
         )
+        check_config(config, keys, source)
+        rope_dim = r.integer(arch + ".rope.dimension_count", default=config.head_dim)
+        if rope_dim != config.head_dim:  # llama.cpp's n_rot: RoPE over part of each head
+            raise UnsupportedModelError(
+                f"{self.path}: {arch}.rope.dimension_count = {rope_dim} differs from the head dimension {config.head_dim}"
+                " (RoPE over part of a head is not supported)"
+            )
+        return config
 
     @property
     def tensors(self) -> list[TensorInfo]:

@@ -22,7 +22,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, LlamaFileType
 
 from churon.config import ModelConfig
 from churon.errors import ModelFileError, UnsupportedModelError
-from churon.formats.gguf import GGUFModel
+from churon.formats.gguf import GGUFFile, GGUFModel
 from churon.formats.hf import HFModel, read_json
 from churon.formats.source import ModelSource
 
@@ -124,7 +124,7 @@ class GGUFModelWriter:
         self._writer = gguf.GGUFWriter(self.path, arch)
         w = self._writer
         if isinstance(source, GGUFModel):
-            _copy_metadata(w, source.path)
+            _copy_metadata(w, source.file)
         else:
             _hf_metadata(w, source)
         w.add_file_type(int(file_type))
@@ -175,15 +175,13 @@ class GGUFModelWriter:
             self.path.unlink(missing_ok=True)
 
 
-def _copy_metadata(w: gguf.GGUFWriter, path: Path) -> None:
+def _copy_metadata(w: gguf.GGUFWriter, source: GGUFFile) -> None:
     """Every metadata field of a GGUF file, with its value type (llama.cpp rejects a u32 stored as i32)."""
-    reader = gguf.GGUFReader(path, "r")
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF.") or key in _OWN_FIELDS:
+    for key, value in source.metadata.items():
+        if key in _OWN_FIELDS:
             continue
-        vtype = gguf.GGUFValueType(field.types[0])
-        sub_type = gguf.GGUFValueType(field.types[-1]) if vtype == gguf.GGUFValueType.ARRAY else None
-        w.add_key_value(key, field.contents(), vtype, sub_type)
+        vtype, sub_type = source.value_types[key]
+        w.add_key_value(key, value, vtype, sub_type)
 
 
 def _hf_metadata(w: gguf.GGUFWriter, source: HFModel) -> None:

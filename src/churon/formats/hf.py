@@ -5,13 +5,21 @@ from __future__ import annotations
 import json
 import math
 import os
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import torch
 from safetensors import safe_open
 
-from churon.config import ModelConfig, check_architecture
+from churon.config import (
+    MAX_CONTEXT_LENGTH,
+    MAX_LAYERS,
+    ConfigReader,
+    ModelConfig,
+    check_architecture,
+    check_config,
+    check_rope_scaling,
+)
 from churon.errors import ModelFileError, UnsupportedModelError
 from churon.formats.tensor_info import TensorInfo
 
@@ -25,6 +33,30 @@ def read_json(path: Path) -> Any:
         raise ModelFileError(f"{path}: no such file") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ModelFileError(f"{path}: not valid JSON: {e}") from e
+    except RecursionError:
+        raise ModelFileError(f"{path}: not valid JSON: nested too deeply") from None
+
+
+def read_json_object(path: Path) -> dict[str, Any]:
+    data = read_json(path)
+    if not isinstance(data, dict):
+        raise ModelFileError(f"{path}: expected a JSON object, found {type(data).__name__}")
+    return data
+
+
+# ModelConfig field -> its config.json key
+_CONFIG_KEYS = {
+    "vocab_size": "vocab_size",
+    "hidden_size": "hidden_size",
+    "intermediate_size": "intermediate_size",
+    "num_layers": "num_hidden_layers",
+    "num_heads": "num_attention_heads",
+    "num_kv_heads": "num_key_value_heads",
+    "head_dim": "head_dim",
+    "context_length": "max_position_embeddings",
+    "rms_norm_eps": "rms_norm_eps",
+    "rope_theta": "rope_theta",
+}
 
 
 def _canonical_name(hf_name: str) -> str:
@@ -41,9 +73,9 @@ class HFModel:
         self.path = Path(path)
         if not self.path.is_dir():
             raise ModelFileError(f"{self.path}: not a directory")
-        self.metadata = read_json(self.path / "config.json")
-        self.config = self._config(self.metadata)
+        self.metadata = read_json_object(self.path / "config.json")
         self._shards = self._shard_files()
+        self.config = self._config(self.metadata, sum(shard.stat().st_size for shard in self._shards))
         self._index: dict[str, tuple[Path, TensorInfo]] = {}
         for shard in self._shards:
             try:
@@ -59,55 +91,58 @@ class HFModel:
             except Exception as e:  # safetensors raises SafetensorError for bad headers and truncated data
                 raise ModelFileError(f"{shard}: not a readable safetensors file: {e}") from e
 
-    def _config(self, cfg: dict[str, Any]) -> ModelConfig:
+    def _config(self, cfg: dict[str, Any], file_bytes: int) -> ModelConfig:
         source = str(self.path / "config.json")
         arch = cfg.get("model_type")
         if arch is None:
             raise ModelFileError(f"{source}: field 'model_type' is missing")
         flags = dict(check_architecture(arch, source))
+        r = ConfigReader(cfg, source)
         if "attention_bias" in cfg:
-            flags["attention_bias"] = bool(cfg["attention_bias"])
-        if cfg.get("mlp_bias"):
+            flags["attention_bias"] = r.boolean("attention_bias", False)
+        if r.boolean("mlp_bias", False):
             raise UnsupportedModelError(f"{source}: mlp_bias=true is not supported")
 
-        def need(key: str) -> Any:
-            if key not in cfg:
-                raise ModelFileError(f"{source}: field {key!r} is missing")
-            return cfg[key]
-
         # transformers 5 moved rope_theta and rope_scaling into one "rope_parameters" dict.
-        rope = dict(cfg.get("rope_parameters") or {})
-        rope_theta = float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0)))
+        rope = cfg.get("rope_parameters") or {}
+        if not isinstance(rope, dict):
+            raise ModelFileError(f"{source}: rope_parameters = {rope!r:.80} is not an object")
+        if cfg.get("rope_theta") is not None:
+            rope_theta = r.number("rope_theta")
+        else:
+            rope_theta = ConfigReader(rope, source + ": rope_parameters").number("rope_theta", 10000.0)
+        scaling_key = "rope_scaling" if cfg.get("rope_scaling") else "rope_parameters"
         scaling = cfg.get("rope_scaling") or {k: v for k, v in rope.items() if k != "rope_theta"}
-        if scaling.get("rope_type", scaling.get("type")) in (None, "default"):
-            scaling = None
-        heads = int(need("num_attention_heads"))
-        hidden = int(need("hidden_size"))
-        return ModelConfig(
+        keys = _CONFIG_KEYS
+        heads = r.dimension(keys["num_heads"], file_bytes)
+        hidden = r.dimension(keys["hidden_size"], file_bytes)
+        config = ModelConfig(
             architecture=arch,
-            vocab_size=int(need("vocab_size")),
+            vocab_size=r.dimension(keys["vocab_size"], file_bytes),
             hidden_size=hidden,
-            intermediate_size=int(need("intermediate_size")),
-            num_layers=int(need("num_hidden_layers")),
+            intermediate_size=r.dimension(keys["intermediate_size"], file_bytes),
+            num_layers=r.integer(keys["num_layers"], hi=MAX_LAYERS, why=" (llama.cpp's LLAMA_MAX_LAYERS)"),
             num_heads=heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or hidden // heads),
-            context_length=int(need("max_position_embeddings")),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            num_kv_heads=r.dimension(keys["num_kv_heads"], file_bytes, default=heads),
+            head_dim=r.head_dim(keys, hidden, heads, file_bytes),
+            context_length=r.integer(keys["context_length"], hi=MAX_CONTEXT_LENGTH),
+            rms_norm_eps=r.number(keys["rms_norm_eps"], 1e-6),
             rope_theta=rope_theta,
-            rope_scaling=scaling,
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            rope_scaling=check_rope_scaling(scaling, scaling_key, source),
+            tie_word_embeddings=r.boolean("tie_word_embeddings", False),
             **flags,
             extra={"torch_dtype": cfg.get("torch_dtype", cfg.get("dtype"))},
         )
+        check_config(config, keys, source)
+        return config
 
     def _shard_files(self) -> list[Path]:
         index = self.path / SAFETENSORS_INDEX
         if index.exists():
-            weight_map = read_json(index).get("weight_map")
+            weight_map = read_json_object(index).get("weight_map")
             if not isinstance(weight_map, dict):
-                raise ModelFileError(f"{index}: field 'weight_map' is missing")
-            shards = [self.path / name for name in dict.fromkeys(weight_map.values())]
+                raise ModelFileError(f"{index}: field 'weight_map' is missing or not an object")
+            shards = [self._shard_path(index, name) for name in dict.fromkeys(weight_map.values())]
         else:
             shards = sorted(self.path.glob("*.safetensors"))
         if not shards:
@@ -117,6 +152,16 @@ class HFModel:
                 raise ModelFileError(f"{shard}: no such file (named in {SAFETENSORS_INDEX})")
         return shards
 
+    def _shard_path(self, index: Path, name: Any) -> Path:
+        """A shard the index names: a file name inside the model directory, nowhere else. The check is on the
+        name, not the resolved path: a Hugging Face cache snapshot's files are symlinks to its blobs."""
+        if not isinstance(name, str):
+            raise ModelFileError(f"{index}: weight_map names the shard {name!r:.80}, which is not a file name")
+        parts = PurePosixPath(name).parts
+        if not parts or PurePosixPath(name).is_absolute() or ".." in parts or "\\" in name:
+            raise ModelFileError(f"{index}: weight_map names the shard {name!r}, which is outside the model directory")
+        return self.path / name
+
     @property
     def tensors(self) -> list[TensorInfo]:
         return [info for _, info in self._index.values()]
@@ -125,7 +170,13 @@ class HFModel:
         return {_canonical_name(name): info.shape for name, (_, info) in self._index.items()}
 
     def check_types(self) -> None:
-        """safetensors float types are all readable; integer tensors are not weights churon knows."""
+        """safetensors float types are all readable; an integer weight is a quantization churon does not know."""
+        for name, (shard, info) in self._index.items():
+            if info.dtype not in _FLOAT_DTYPES and name.endswith((".weight", ".bias")):
+                raise UnsupportedModelError(
+                    f"{shard}: tensor {name!r} has type {info.dtype}, which churon cannot read as a weight"
+                    f" (supported: {', '.join(_FLOAT_DTYPES)})"
+                )
 
     def file_name(self, canonical: str) -> str:
         return canonical if canonical in self._index else "model." + canonical
@@ -152,4 +203,5 @@ class HFModel:
             raise ModelFileError(f"{shard}: cannot read tensor {name!r}: {e}") from e
 
 
+_FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}

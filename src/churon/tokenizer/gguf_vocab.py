@@ -169,9 +169,8 @@ def _vocabulary(metadata: dict[str, Any], source: str) -> tuple[list[str], list[
     types = metadata.get("tokenizer.ggml.token_type")
     if types is None:
         types = [TOKEN_NORMAL] * n
-    elif len(types) < n:
-        raise ModelFileError(f"{source}: tokenizer.ggml.token_type has {len(types)} entries for {n} tokens")
-    types = [int(t) for t in types[:n]]
+    else:
+        types = _array(metadata, "tokenizer.ggml.token_type", numbers.Integral, "integers", n, source)
 
     vocab: dict[str, int] = {}
     for i, t in enumerate(tokens):
@@ -193,6 +192,20 @@ def _vocabulary(metadata: dict[str, Any], source: str) -> tuple[list[str], list[
     return tokens, types, vocab
 
 
+def _array(metadata: dict[str, Any], key: str, kind: type, what: str, n: int, source: str) -> list:
+    """metadata[key] as a list of at least n elements of kind (bools are not numbers here), its first n if n."""
+    values = metadata[key]
+    if not isinstance(values, list):
+        raise ModelFileError(f"{source}: {key} = {values!r:.80} is not an array")
+    if len(values) < n:
+        raise ModelFileError(f"{source}: {key} has {len(values)} entries for {n} tokens")
+    values = values[:n] if n else values
+    for i, v in enumerate(values):
+        if not isinstance(v, kind) or isinstance(v, bool):
+            raise ModelFileError(f"{source}: {key}[{i}] = {v!r:.80} is not one of the {what} it must hold")
+    return values
+
+
 def _byte_level_bpe(metadata: dict[str, Any], vocab: dict[str, int], source: str) -> tuple[HFTokenizer, bool]:
     """The "gpt2" model: byte-level BPE with llama.cpp's pre-tokenizer for tokenizer.ggml.pre.
     Returns it and whether that pre-tokenizer's models add a BOS by default."""
@@ -206,9 +219,9 @@ def _byte_level_bpe(metadata: dict[str, Any], vocab: dict[str, int], source: str
             f"{source}: tokenizer.ggml.pre = {pre_name!r} is not supported (known: "
             + ", ".join(sorted(BPE_PRE_TOKENIZERS)) + ")"
         )
-    merges_raw = metadata.get("tokenizer.ggml.merges")
-    if not isinstance(merges_raw, list):
+    if metadata.get("tokenizer.ggml.merges") is None:
         raise ModelFileError(f"{source}: tokenizer.ggml.merges is missing (needed by the gpt2 tokenizer)")
+    merges_raw = _array(metadata, "tokenizer.ggml.merges", str, "strings", 0, source)
     merges = []
     for k, m in enumerate(merges_raw):
         pos = m.find(" ", 1)
@@ -235,8 +248,8 @@ def _sentencepiece_bpe(metadata: dict[str, Any], tokens: list[str], types: list[
     scores = metadata.get("tokenizer.ggml.scores")
     if scores is None:
         scores = [0.0] * n
-    elif len(scores) < n:
-        raise ModelFileError(f"{source}: tokenizer.ggml.scores has {len(scores)} entries for {n} tokens")
+    else:
+        scores = _array(metadata, "tokenizer.ggml.scores", numbers.Real, "numbers", n, source)
     add_space_prefix = bool(metadata.get("tokenizer.ggml.add_space_prefix", True))
     merges = _spm_merges(tokens, scores, vocab)
     has_bytes = all(f"<0x{b:02X}>" in vocab for b in range(256))
@@ -319,13 +332,20 @@ def _spm_merges(tokens: list[str], scores: list[float], vocab: dict[str, int]) -
 
     llama.cpp merges any two neighbouring pieces whose concatenation is a token, best score
     first (leftmost on a tie). As BPE merges: every split (left, right) of a token into two
-    tokens, ranked by the score of the whole token.
+    tokens, ranked by the score of the whole token. Only splits into lengths that some token has
+    are tried: a token costs the number of distinct token lengths, not one slice per character
+    (a 400,000-character token would take seconds).
     """
+    length_set = {len(t) for t in tokens}
+    lengths = sorted(length_set)
     ranked = []
     for tid, text in enumerate(tokens):
-        if len(text) < 2:
-            continue
-        for k in range(1, len(text)):
+        n = len(text)
+        for k in lengths:
+            if k >= n:
+                break
+            if n - k not in length_set:
+                continue
             left, right = text[:k], text[k:]
             if left in vocab and right in vocab:
                 ranked.append((-float(scores[tid]), tid, k, left, right))

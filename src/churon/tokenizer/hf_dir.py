@@ -42,15 +42,28 @@ def from_hf_dir(path: str | os.PathLike) -> Tokenizer:
             raise ModelFileError(f"{path / 'tokenizer_config.json'}: {key} = {value!r} is not in tokenizer.json")
         return tid
 
+    n_vocab = hf.get_vocab_size(with_added_tokens=True)
+
+    def gen_id(value: Any, key: str) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < n_vocab:
+            raise ModelFileError(
+                f"{path / 'generation_config.json'}: {key} = {value!r:.80} is not a token id"
+                f" (tokenizer.json has {n_vocab} tokens)"
+            )
+        return value
+
     bos_id = special("bos_token")
     eos_id = special("eos_token")
-    if bos_id is None and isinstance(gen.get("bos_token_id"), int):
-        bos_id = gen["bos_token_id"]
+    if bos_id is None and gen.get("bos_token_id") is not None:
+        bos_id = gen_id(gen["bos_token_id"], "bos_token_id")
     gen_eos = gen.get("eos_token_id")
-    gen_eos = [gen_eos] if isinstance(gen_eos, int) else list(gen_eos or [])
+    if isinstance(gen_eos, list):
+        gen_eos = [gen_id(v, f"eos_token_id[{i}]") for i, v in enumerate(gen_eos)]
+    else:
+        gen_eos = [] if gen_eos is None else [gen_id(gen_eos, "eos_token_id")]
     if eos_id is None and gen_eos:
         eos_id = gen_eos[0]
-    eog = {i for i in [eos_id, *gen_eos] if isinstance(i, int)}
+    eog = {i for i in [eos_id, *gen_eos] if i is not None}
     for tid, tok in hf.get_added_tokens_decoder().items():
         if tok.special and tok.content in EOG_TOKEN_TEXTS:
             eog.add(tid)
@@ -96,6 +109,8 @@ def _read_json(path: Path) -> dict[str, Any]:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
         raise ModelFileError(f"{path}: not valid JSON: {e}") from e
+    except RecursionError:
+        raise ModelFileError(f"{path}: not valid JSON: nested too deeply") from None
     if not isinstance(data, dict):
         raise ModelFileError(f"{path}: expected a JSON object")
     return data
