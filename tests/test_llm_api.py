@@ -45,7 +45,7 @@ def test_end_of_generation_token_finishes_with_stop(llm):
     # make the end-of-generation token the certain choice after 3 tokens
     params = SamplingParams(temperature=0, max_tokens=20, logit_bias={eos: 1000.0})
     out = llm.generate(["hello"], params)[0]
-    assert out.finish_reason == "stop" and out.token_ids == []
+    assert out.finish_reason == "stop" and out.token_ids == [eos] and out.text == ""  # the stop token adds no text
     out = llm.generate(["hello"], SamplingParams(temperature=0, max_tokens=5, logit_bias={eos: 1000.0}, ignore_eos=True))[0]
     assert out.finish_reason == "length" and out.token_ids == [eos] * 5
 
@@ -55,7 +55,8 @@ def test_stop_token_ids(llm):
     stop_at = free.token_ids[3]
     first = free.token_ids.index(stop_at)
     out = llm.generate(["hello"], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, stop_token_ids=[stop_at]))[0]
-    assert out.finish_reason == "stop" and out.token_ids == free.token_ids[:first]
+    assert out.finish_reason == "stop" and out.token_ids == free.token_ids[: first + 1]
+    assert out.text == llm.tokenizer.decode(free.token_ids[:first])  # the stop token is not part of the text
 
 
 def test_stop_string_is_not_emitted_and_stream_agrees(llm):

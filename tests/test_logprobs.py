@@ -89,16 +89,17 @@ def test_stream_deltas_carry_the_same_logprobs(model_and_tokenizer):
     assert [d.token_id for d in deltas] == final.token_ids
 
 
-def test_logprobs_zero_and_no_entry_for_the_ending_token(model_and_tokenizer):
+def test_logprobs_zero_and_the_ending_tokens_entry(model_and_tokenizer):
     _, tokenizer = model_and_tokenizer
     eos = sorted(tokenizer.eog_ids)[0]
     eng = engine(model_and_tokenizer)
     out = eng.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=0))[0]
     assert len(out.logprobs) == 4 and all(e.top == [] for e in out.logprobs)
-    # end-of-generation right away: no token, no logprob
+    # end-of-generation right away: the stop token is the output's one token, with its logprob (vLLM's rule), and no text
     deltas = list(eng.stream([5, 6, 7], SamplingParams(temperature=0, logit_bias={eos: 1000.0}, logprobs=3)))
-    assert deltas[-1].output.token_ids == [] and deltas[-1].output.logprobs == []
-    assert deltas[-1].token_id == eos and deltas[-1].logprob is None
+    last = deltas[-1]
+    assert last.output.token_ids == [eos] and last.output.logprobs == [last.logprob] and last.output.text == ""
+    assert last.token_id == eos and last.logprob.token_id == eos and len(last.logprob.top) == 3
     plain = eng.generate([[5, 6, 7]], SamplingParams(max_tokens=2))[0]
     assert plain.logprobs is None and plain.prompt_logprobs is None
 

@@ -15,3 +15,8 @@ class UnsupportedModelError(ChuronError):
 
 class ContextLengthError(ChuronError, ValueError):
     """A prompt (plus the tokens to generate) does not fit the context window."""
+
+
+class GenerationError(ChuronError, RuntimeError):
+    """One request failed while it generated (the model's logits were NaN, its grammar or detokenizer
+    failed): that request alone finishes, with finish_reason "error"; the others in its batch go on."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import fields
 from typing import Iterator, Sequence
@@ -11,9 +12,11 @@ import torch
 from churon import kernels as native_kernels
 from churon.config import EngineConfig, default_threads
 from churon.engine import CompletionOutput, Delta, LLMEngine
+from churon.errors import ContextLengthError
 from churon.loader import load_model
 from churon.registry import DEFAULT_MODEL
 from churon.sampling import SamplingParams
+from churon.tokenizer import ChatTemplateError, ChatTemplateLimitError
 
 Prompt = str | Sequence[int]
 Message = dict[str, str]
@@ -56,11 +59,34 @@ class LLM:
             torch.set_num_threads(1)
         self.config = self.model.config
         self.engine = LLMEngine(self.model, self.tokenizer, engine_config)
+        try:  # a template that cannot render this within its limits would cost every chat request as much
+            self.tokenizer.apply_chat_template([{"role": "user", "content": "Hello"}])
+        except ChatTemplateLimitError as e:
+            raise ChatTemplateError(f"the model's chat template cannot render a one-message conversation: {e}") from e
+        except ChatTemplateError:
+            pass  # no template, or one that refuses this conversation: chat requests say so
 
     def _prompt_ids(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt)
+            return self.encode(prompt)
         return [int(t) for t in prompt]
+
+    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+        """text's token ids (tokenizer.encode), after refusing text that can never fit the context: encoding
+        costs seconds and gigabytes per few million characters, a template's output or a prompt could be more."""
+        if len(text) > self._max_prompt_chars:
+            raise ContextLengthError(
+                f"the prompt has {len(text)} characters, more than {self.max_model_len} tokens (the context window)"
+                f" of this model can hold: its longest token has {self._max_prompt_chars // self.max_model_len} bytes;"
+                " shorten the prompt (nothing was truncated)"
+            )
+        return self.tokenizer.encode(text, add_bos=add_bos)
+
+    @functools.cached_property
+    def _max_prompt_chars(self) -> int:
+        # a token stands for at most its longest text, which has no more characters than bytes
+        longest = max(len(self.tokenizer.token_bytes(i)) for i in range(self.tokenizer.vocab_size))
+        return self.max_model_len * max(1, longest)
 
     @property
     def max_model_len(self) -> int:
@@ -71,11 +97,14 @@ class LLM:
         """Raise ValueError (ContextLengthError when too long) for a prompt this LLM can never run."""
         self.engine.check_prompt(prompt_ids)
 
-    def chat_prompt_ids(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> list[int]:
-        """The conversation rendered by the model's chat template, by default ready for the assistant's turn."""
-        text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt)
+    def chat_prompt_ids(self, messages: Sequence[Message], add_generation_prompt: bool = True,
+                        tools: Sequence[dict] | None = None) -> list[int]:
+        """The conversation rendered by the model's chat template, by default ready for the assistant's turn.
+        tools: function tools in OpenAI's shape, passed to the template as Hugging Face passes them."""
+        text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt,
+                                                  tools=None if tools is None else list(tools))
         # The template writes the BOS itself when the model wants one.
-        return self.tokenizer.encode(text, add_bos=False)
+        return self.encode(text, add_bos=False)
 
     def generate(
         self,

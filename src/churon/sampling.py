@@ -4,6 +4,11 @@ Order, as vLLM and llama.cpp apply them: repetition / presence / frequency penal
 logit bias on the raw logits; then the structured-output mask (tokens the grammar forbids
 go to -inf); then temperature; then top-k, top-p and min-p filtering; then a draw from the
 remaining distribution. Temperature 0 is exact argmax.
+
+No request's parameters can make its distribution non-finite: penalties and biases are bounded, a
+temperature below MIN_TEMPERATURE samples at MIN_TEMPERATURE (vLLM's floor) and top-p always keeps
+the most likely token. What is left, logits the model itself made NaN or infinite (or a grammar that
+allows nothing), raises GenerationError for this request alone (the engine finishes it with "error").
 """
 
 from __future__ import annotations
@@ -15,11 +20,20 @@ from typing import Sequence
 
 import torch
 
+from churon.errors import GenerationError
 
 MAX_LOGPROBS = 20  # the most alternatives a token's logprobs carry (OpenAI's limit)
 # What the command line's flags and OpenAI's request bodies (server/openai/) both carry, under these
 # names: SamplingParams.from_fields reads them off either
 SHARED_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed", "stop")
+# Below it, logits / temperature overflows float32 for logits of ordinary size (vLLM's _MAX_TEMP): such a
+# temperature is accepted (OpenAI's range is [0, 2]) and samples as this one, all but greedy
+MIN_TEMPERATURE = 1e-2
+# A penalty divides or multiplies logits: past these the penalized ones overflow or vanish in float32
+REPETITION_PENALTY_RANGE = (1e-2, 1e2)
+# Far past any use (OpenAI's range, the server's, is [-100, 100]), yet finite in float32 after every
+# scaling the sampler applies (a repetition penalty of 100, the temperature floor)
+MAX_LOGIT_BIAS = 1e30
 
 
 @dataclass
@@ -43,6 +57,7 @@ class SamplingParams:
     logprobs: int | None = None  # for every generated token
     prompt_logprobs: int | None = None  # for every prompt token after the first
     json_schema: dict | None = None  # constrain the output to JSON valid against this schema
+    grammar: str | None = None  # or to this Lark grammar (llguidance's dialect; tool calls); not both
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -55,19 +70,25 @@ class SamplingParams:
         _check(isinstance(self.top_k, int) and self.top_k >= -1, "top_k", self.top_k, "an integer >= 0 (0 or -1 disables it)")
         _check(_finite(self.top_p) and 0 < self.top_p <= 1, "top_p", self.top_p, "in (0, 1]")
         _check(_finite(self.min_p) and 0 <= self.min_p <= 1, "min_p", self.min_p, "in [0, 1]")
-        _check(_finite(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty", self.repetition_penalty, "> 0")
+        low, high = REPETITION_PENALTY_RANGE
+        _check(_finite(self.repetition_penalty) and low <= self.repetition_penalty <= high, "repetition_penalty",
+               self.repetition_penalty, f"in [{low}, {high}]")
         _check(_finite(self.presence_penalty) and -2 <= self.presence_penalty <= 2, "presence_penalty", self.presence_penalty, "in [-2, 2]")
         _check(_finite(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2, "frequency_penalty", self.frequency_penalty, "in [-2, 2]")
         _check(all(s for s in self.stop), "stop", self.stop, "non-empty strings")
         _check(self.seed is None or isinstance(self.seed, int), "seed", self.seed, "an integer")
         for token, bias in self.logit_bias.items():
-            _check(math.isfinite(bias), "logit_bias", {token: bias}, "finite numbers")
+            _check(-MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS, "logit_bias", {token: bias},
+                   f"numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             ok = value is None or (isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_LOGPROBS)
             _check(ok, name, value, f"None or an integer in [0, {MAX_LOGPROBS}]")
-        # the schema itself is compiled (and rejected when invalid) by the engine's add_request
+        # the schema or grammar itself is compiled (and rejected when invalid) by the engine's add_request
         _check(self.json_schema is None or isinstance(self.json_schema, dict), "json_schema", self.json_schema, "None or a dict")
+        _check(self.grammar is None or (isinstance(self.grammar, str) and self.grammar.strip() != ""), "grammar",
+               self.grammar, "None or a non-empty Lark grammar")
+        _check(self.json_schema is None or self.grammar is None, "grammar", self.grammar, "None when json_schema is set")
 
     @classmethod
     def from_fields(cls, source, **fields) -> SamplingParams:
@@ -120,12 +141,13 @@ class Sampler:
         """logits: float32 [vocab] (may be wider than the vocabulary: padding columns are ignored).
 
         allowed: bool [vocab], the tokens a structured-output grammar permits now (None: all).
+        Raises GenerationError when no token can be drawn (NaN logits, a grammar that allows none).
         """
         p = self.params
-        logits = logits[: self.vocab_size]
+        logits = raw = logits[: self.vocab_size]
         edits = p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty or self.bias is not None
         if p.greedy and not edits and allowed is None:
-            return _argmax(logits)
+            return self._argmax(logits, raw, allowed)
         logits = logits.clone()  # the steps below edit it in place
         if p.repetition_penalty != 1.0:
             penalized = logits[self.seen]
@@ -137,8 +159,8 @@ class Sampler:
         if allowed is not None:
             logits[~allowed[: self.vocab_size]] = -math.inf
         if p.greedy:
-            return _argmax(logits)
-        logits /= p.temperature
+            return self._argmax(logits, raw, allowed)
+        logits /= max(p.temperature, MIN_TEMPERATURE)
         if 0 < p.top_k < logits.shape[0]:
             kth = torch.topk(logits, p.top_k).values[-1]
             logits[logits < kth] = -math.inf
@@ -149,14 +171,38 @@ class Sampler:
             probs[probs < p.min_p * probs.max()] = 0
         # inverse CDF: ~60 us, where torch.multinomial takes ~1 ms over a 49k vocabulary
         cdf = probs.cumsum(0)
-        u = torch.rand(1, generator=self.generator) * cdf[-1]
+        total = float(cdf[-1])  # NaN if any logit was NaN or +inf, 0 if every token went
+        if not (math.isfinite(total) and total > 0):
+            raise self._no_token(raw, allowed)
+        u = torch.rand(1, generator=self.generator) * total
         return int(torch.searchsorted(cdf, u, right=True))  # the first token whose cdf exceeds u
 
+    def _argmax(self, logits: torch.Tensor, raw: torch.Tensor, allowed: torch.Tensor | None) -> int:
+        """The first index of the maximum. numpy's takes 4 us over a 49k vocabulary, torch.argmax 45 us
+        (64 of them per decode step of a full batch). numpy's stops at a NaN, so one look at the
+        chosen logit finds any NaN or +inf in the row, or a row that is -inf throughout."""
+        values = logits.numpy()
+        token = int(values.argmax())
+        if not math.isfinite(values[token]):
+            raise self._no_token(raw, allowed)
+        return token
 
-def _argmax(logits: torch.Tensor) -> int:
-    """The first index of the maximum. numpy's takes 4 us over a 49k vocabulary, torch.argmax 45 us
-    (64 of them per decode step of a full batch)."""
-    return int(logits.numpy().argmax())
+    def _no_token(self, raw: torch.Tensor, allowed: torch.Tensor | None) -> GenerationError:
+        """Why nothing could be drawn: the model's own logits, the grammar, or (a bug) the parameters."""
+        nan, inf = int(raw.isnan().sum()), int(raw.isinf().sum())
+        if nan or inf:
+            # which layer went non-finite is not known here: finding it would mean checking every layer's output
+            return GenerationError(
+                f"the model produced {'NaN' if nan else 'infinite'} logits for this request's next token ({nan} NaN,"
+                f" {inf} infinite of {raw.shape[0]}): corrupt weights, or activations that overflowed"
+            )
+        if allowed is not None and not bool(allowed[: self.vocab_size].any()):
+            return GenerationError("the structured-output grammar allows no next token")
+        p = self.params
+        return GenerationError(
+            f"no token could be drawn: the sampling parameters left no finite probability (temperature={p.temperature},"
+            f" top_k={p.top_k}, top_p={p.top_p}, min_p={p.min_p}, repetition_penalty={p.repetition_penalty})"
+        )
 
 
 def _outside_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -175,6 +221,8 @@ def _outside_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
         if k == n or float(probs.sum()) >= top_p:  # every token after these k goes
             break
         k = n if k >= 1024 else min(1024, n)
+    keep = probs.cumsum(0) - probs < top_p
+    keep[0] = True  # a top_p that float32 rounds to 0 would keep nothing
     outside = torch.ones(n, dtype=torch.bool)
-    outside[ids[probs.cumsum(0) - probs < top_p]] = False
+    outside[ids[keep]] = False
     return outside

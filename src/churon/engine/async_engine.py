@@ -4,6 +4,10 @@ One background thread drives engine.step() while there is work, so the event loo
 waits on the model; each request's deltas reach its coroutine through an asyncio.Queue.
 A caller that stops listening (a client that disconnected) aborts its request, which frees
 its KV blocks at once, or right after the step that is running.
+
+A request that fails alone (finish_reason "error": NaN logits, its grammar, its detokenizer) raises
+GenerationError in its own caller; only a step that fails as a whole (the model's forward raising)
+fails every request in it.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from typing import AsyncIterator, Sequence
 
 from churon.engine.core import LLMEngine
 from churon.engine.output import Delta, EngineStats
+from churon.errors import GenerationError
 from churon.sampling import SamplingParams
 
 
@@ -32,7 +37,8 @@ class AsyncLLMEngine:
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams | None = None) -> AsyncIterator[Delta]:
         """The request's deltas as they are produced; the last has finish_reason set.
 
-        Bad input (an over-long prompt, bad token ids) raises here, before anything is queued.
+        Bad input (an over-long prompt, bad token ids) raises here, before anything is queued; a request
+        that fails while it generates raises GenerationError.
         """
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
@@ -50,9 +56,11 @@ class AsyncLLMEngine:
                 item = await queue.get()
                 if isinstance(item, BaseException):
                     raise item
+                finished = item.finish_reason is not None
+                if item.finish_reason == "error":
+                    raise GenerationError(item.output.error)
                 yield item
-                if item.finish_reason is not None:
-                    finished = True
+                if finished:
                     return
         finally:
             if not finished:  # cancelled, or the consumer stopped early
@@ -114,9 +122,16 @@ class AsyncLLMEngine:
                     if d.finish_reason is not None:
                         self._queues.pop(d.request_id, None)
             if error is not None:
-                for loop, queue in targets.values():
-                    loop.call_soon_threadsafe(queue.put_nowait, error)
+                for request_id, target in targets.items():
+                    self._deliver(request_id, target, error)
             for d in deltas:
                 target = targets.get(d.request_id)
                 if target is not None:
-                    target[0].call_soon_threadsafe(target[1].put_nowait, d)
+                    self._deliver(d.request_id, target, d)
+
+    def _deliver(self, request_id: int, target: tuple[asyncio.AbstractEventLoop, asyncio.Queue], item) -> None:
+        loop, queue = target
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+        except RuntimeError:  # its caller's event loop is closed: nobody listens, and this thread must go on
+            self.abort(request_id)

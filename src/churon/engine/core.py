@@ -11,10 +11,16 @@ One step is the pipeline, in order:
 
 Prompt logprobs need the logits of every prompt position: such a request's prefill chunks return
 all their rows, and it never takes prefix-cache hits (a cached position has no logits).
+
+A request that fails in its own stages (NaN logits, its grammar, its logprobs, its detokenizer)
+fails alone: it finishes with finish_reason "error" and a message on its output, its blocks go
+back, and the step goes on for the others (vLLM's "error" finish reason). generate() returns such
+outputs beside the others; a stream raises GenerationError.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Iterator, Sequence
 
 from tqdm import tqdm
@@ -28,7 +34,7 @@ from churon.engine.request import Request
 from churon.engine.runner import ModelRunner
 from churon.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from churon.engine.sequence import Sequence as Seq
-from churon.errors import ContextLengthError
+from churon.errors import ContextLengthError, GenerationError
 from churon.model.transformer import Transformer
 from churon.sampling import SamplingParams
 from churon.structured import StructuredOutput
@@ -37,6 +43,8 @@ from churon.tokenizer import Tokenizer
 # Logits of prompt tokens one step may return for prompt logprobs (with chunked prefill): the rows
 # of a prompt chunk are vocabulary-wide float32.
 PROMPT_LOGITS_BYTES = 128 << 20
+
+log = logging.getLogger("churon.engine")
 
 
 class LLMEngine:
@@ -81,7 +89,9 @@ class LLMEngine:
         params = params or SamplingParams()
         prompt_ids = [int(t) for t in prompt_ids]
         self.check_prompt(prompt_ids)
-        grammar = None if params.json_schema is None else self.structured_output.grammar(params.json_schema)
+        grammar = None
+        if params.json_schema is not None or params.grammar is not None:
+            grammar = self.structured_output.grammar(params.json_schema, lark=params.grammar)
         max_new = min(params.max_tokens, self.context_length - len(prompt_ids))
         seq = Seq(prompt_ids, params, eos_token_ids=self.tokenizer.eog_ids, max_tokens=max_new)
         request = Request(seq, self.tokenizer, self.model_config.vocab_size, grammar)
@@ -125,32 +135,40 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
-        sampled = self._execute(out)
+        sampled, failed = self._execute(out)
         self.scheduler.update_from_output(out, sampled)
-        return self._output(sampled)
+        return self._output(sampled, failed)
 
-    def _execute(self, out: SchedulerOutput) -> dict[int, int]:
-        """Run the model on the scheduled tokens; seq_id -> the token each sampling request drew."""
+    def _execute(self, out: SchedulerOutput) -> tuple[dict[int, int], dict[int, Exception]]:
+        """Run the model on the scheduled tokens; seq_id -> the token each sampling request drew, and
+        seq_id -> the error of each request whose logits or sampling failed."""
         all_rows = [self._needs_all_logits(s) for s in out.scheduled]
         logits = self.runner.execute(out.scheduled, all_rows)
-        sampled = {}
+        sampled, failed = {}, {}
         row = 0
         for s, all_logits in zip(out.scheduled, all_rows):
             num_rows = s.num_tokens if all_logits else int(s.sample)
             rows = logits[row : row + num_rows]
             row += num_rows
             request = self.requests[s.seq.seq_id]
-            if all_logits:
-                request.on_prompt_logits(rows, s.start)
-            if s.sample:
-                sampled[s.seq.seq_id] = request.sample(rows[-1])
-        return sampled
+            try:
+                if all_logits:
+                    request.on_prompt_logits(rows, s.start)
+                if s.sample:
+                    sampled[s.seq.seq_id] = request.sample(rows[-1])
+            except Exception as e:  # this request's own logits, grammar or logprobs: it fails alone
+                failed[s.seq.seq_id] = e
+        return sampled, failed
 
-    def _output(self, sampled: dict[int, int]) -> list[Delta]:
-        deltas = []
+    def _output(self, sampled: dict[int, int], failed: dict[int, Exception]) -> list[Delta]:
+        deltas = [self._fail(self.requests[seq_id], e) for seq_id, e in failed.items()]
         for seq_id, token in sampled.items():
             request = self.requests[seq_id]
-            delta = request.on_token(token)
+            try:
+                delta = request.on_token(token)
+            except Exception as e:  # its detokenizer or stop strings
+                deltas.append(self._fail(request, e))
+                continue
             if delta.finish_reason is not None:
                 if not request.seq.is_finished:  # a stop string, or a complete structured-output value
                     self.scheduler.finish(request.seq, "stop")
@@ -158,16 +176,33 @@ class LLMEngine:
             deltas.append(delta)
         return deltas
 
+    def _fail(self, request: Request, error: Exception) -> Delta:
+        """Finish a request that failed in one of its own stages, and only it: its last delta says why."""
+        seq = request.seq
+        if not seq.is_finished:
+            self.scheduler.finish(seq, "error")
+        del self.requests[seq.seq_id]
+        if isinstance(error, GenerationError):
+            message = str(error)
+            log.warning("request %d failed: %s", seq.seq_id, message)
+        else:  # a bug in one of churon's stages: the traceback goes to the log
+            message = f"internal error: {type(error).__name__}: {error}"
+            log.error("request %d failed", seq.seq_id, exc_info=error)
+        return request.on_error(message)
+
     def _needs_all_logits(self, s: ScheduledSeq) -> bool:
         return self.requests[s.seq.seq_id].needs_prompt_logits and s.start < s.seq.num_prompt_tokens - 1
 
     def stream(self, prompt_ids: Sequence[int], params: SamplingParams | None = None) -> Iterator[Delta]:
-        """One request's deltas as they come (requests already queued progress alongside)."""
+        """One request's deltas as they come (requests already queued progress alongside).
+        Raises GenerationError if the request fails."""
         request_id = self.add_request(prompt_ids, params)
         try:
             while True:
                 for delta in self.step():
                     if delta.request_id == request_id:
+                        if delta.finish_reason == "error":
+                            raise GenerationError(delta.output.error)
                         yield delta
                         if delta.finish_reason is not None:
                             return
@@ -177,23 +212,27 @@ class LLMEngine:
     def generate(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams], use_tqdm: bool = False
     ) -> list[CompletionOutput]:
-        """Run every prompt to completion in continuous batches; outputs in prompt order."""
+        """Run every prompt to completion in continuous batches; outputs in prompt order.
+
+        A request that failed is there too, with finish_reason "error" and its error (as vLLM's LLM
+        returns it): raising would throw away the other prompts' outputs."""
         all_params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(all_params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(all_params)} sampling parameters")
         ids: list[int] = []
+        outputs: dict[int, CompletionOutput] = {}
         try:
             for p, sp in zip(prompts, all_params):
                 ids.append(self.add_request(p, sp))
-        except Exception:  # a bad prompt: the ones queued before it do not stay behind
+            wanted = set(ids)
+            with tqdm(total=len(ids), desc="generating", unit="req", disable=not use_tqdm) as bar:
+                while len(outputs) < len(ids):
+                    for delta in self.step():  # other callers' requests may be in the batch too
+                        if delta.finish_reason is not None and delta.request_id in wanted:
+                            outputs[delta.request_id] = delta.output
+                            bar.update(1)
+        finally:  # a bad prompt, a failed step, Ctrl-C: none of these requests stays behind in the engine
             for i in ids:
-                self.abort(i)
-            raise
-        outputs: dict[int, CompletionOutput] = {}
-        with tqdm(total=len(ids), desc="generating", unit="req", disable=not use_tqdm) as bar:
-            while len(outputs) < len(ids):
-                for delta in self.step():
-                    if delta.finish_reason is not None:
-                        outputs[delta.request_id] = delta.output
-                        bar.update(1)
+                if i not in outputs:
+                    self.abort(i)
         return [outputs[i] for i in ids]

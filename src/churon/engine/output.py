@@ -53,14 +53,15 @@ def token_logprobs(logits: torch.Tensor, token_ids: Sequence[int], num_top: int)
 @dataclass
 class CompletionOutput:
     text: str
-    token_ids: list[int]
-    finish_reason: str | None  # "stop", "length" or "abort"; None while running
+    token_ids: list[int]  # generated, the stop token that ended the request included (as vLLM's): it adds no text
+    finish_reason: str | None  # "stop", "length", "abort" or "error" (see error); None while running
     prompt_token_ids: list[int]
     metrics: Metrics = field(default_factory=Metrics)
     request_id: int = -1
     logprobs: list[TokenLogprob] | None = None  # one per token_ids entry, when params.logprobs is set
     # one per prompt token (the first has none: None), when params.prompt_logprobs is set
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    error: str | None = None  # why the request failed, with finish_reason "error" (as vLLM's: the others went on)
 
 
 @dataclass
@@ -72,7 +73,7 @@ class Delta:
     token_id: int | None
     finish_reason: str | None  # set on the request's last delta
     output: CompletionOutput  # the request so far (shared and updated by later steps: read finish_reason above)
-    logprob: TokenLogprob | None = None  # token_id's, when params.logprobs is set and the token is part of the output
+    logprob: TokenLogprob | None = None  # token_id's, when params.logprobs is set
 
 
 @dataclass(frozen=True)

@@ -86,14 +86,16 @@ class Request:
             out.metrics.prefill_seconds = now - self.arrival
             out.metrics.cached_prompt_tokens = seq.num_cached_tokens
         logprob = self.logprob
-        if token in seq.stop_token_ids:  # ended the request; not part of the output, nor is its logprob
+        out.token_ids.append(token)
+        if out.logprobs is not None:
+            out.logprobs.append(logprob)
+        if token in seq.stop_token_ids:
+            # a generated stop token is part of the output's tokens and logprobs, not of its text (vLLM's
+            # and OpenAI's rule): echo + max_tokens=N then always returns prompt + N entries, and a client
+            # that drops the last entry as the generated token's (lm-eval) drops this one, not a prompt token's
             out.finish_reason = "stop"
-            logprob = None
             text = self.detokenizer.finish()
         else:
-            out.token_ids.append(token)
-            if out.logprobs is not None:
-                out.logprobs.append(logprob)
             text = self.detokenizer.update(token)
             if self.detokenizer.stopped or (self.grammar is not None and self.grammar.is_terminated):
                 out.finish_reason = "stop"
@@ -107,3 +109,9 @@ class Request:
         out.metrics.generated_tokens = len(out.token_ids)
         out.metrics.decode_seconds = now - self.first_token_time
         return Delta(out.request_id, text, token, out.finish_reason, out, logprob)
+
+    def on_error(self, message: str) -> Delta:
+        """The request failed in one of its stages (GenerationError, or a bug): its last Delta, without text."""
+        out = self.output
+        out.finish_reason, out.error = "error", message
+        return Delta(out.request_id, "", None, "error", out)

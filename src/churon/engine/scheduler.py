@@ -21,6 +21,10 @@ sequences together run at most max_prompt_logits_rows prompt tokens per step.
 After the runner executed a step, update_from_output takes what it computed: every scheduled
 sequence's tokens count as computed (their full blocks enter the prefix cache), each sampled
 token is appended, and a sequence ending on a stop token or at max_tokens is finished.
+
+Finishing a sequence costs O(1) wherever it is: one leaving the waiting queue (an abort: a client
+that disconnected) stays in it, finished, until it reaches the head or the queue is compacted (once
+finished ones are half of it), so 40k queued aborts cost 40k steps of work, not 40k scans of the queue.
 """
 
 from __future__ import annotations
@@ -85,16 +89,23 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
         self.max_prompt_logits_rows = max_prompt_logits_rows  # None: no limit
-        self.waiting: deque[Sequence] = deque()  # FCFS; preempted sequences go back to the front
-        self.running: list[Sequence] = []  # sorted by seq_id (arrival order)
+        # FCFS; preempted sequences go back to the front. Holds finished sequences too (see finish)
+        self._waiting: deque[Sequence] = deque()
+        self._num_finished_waiting = 0  # finished sequences still in _waiting
+        self.running: list[Sequence] = []  # sorted by seq_id (arrival order); at most max_num_seqs
         self._unfinished: dict[int, Sequence] = {}
         self.num_preemptions = 0
 
     # -- queries -----------------------------------------------------------------------
 
     @property
+    def waiting(self) -> list[Sequence]:
+        """The waiting sequences in queue order."""
+        return [seq for seq in self._waiting if not seq.is_finished]
+
+    @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        return len(self._waiting) - self._num_finished_waiting
 
     @property
     def num_running(self) -> int:
@@ -129,19 +140,23 @@ class Scheduler:
         if seq.status is not SequenceStatus.WAITING or seq.block_table:
             raise ValueError(f"only a new waiting sequence can be added, got {seq!r}")
         self._unfinished[seq.seq_id] = seq
-        self.waiting.append(seq)
+        self._waiting.append(seq)
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """Mark seq finished, give its blocks back and drop it from the queues."""
         if self._unfinished.pop(seq.seq_id, None) is None:
             raise ValueError(f"sequence {seq.seq_id} is not scheduled here (unknown or already finished)")
-        if seq.status is SequenceStatus.RUNNING:
+        waiting = seq.status is SequenceStatus.WAITING
+        if not waiting:
             self.running.remove(seq)
-        else:
-            self.waiting.remove(seq)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+        if waiting:  # left in the queue: removing it would scan the queue
+            self._num_finished_waiting += 1
+            if self._num_finished_waiting > len(self._waiting) // 2:
+                self._waiting = deque(s for s in self._waiting if not s.is_finished)
+                self._num_finished_waiting = 0
 
     def abort(self, seq_id: int) -> bool:
         """Finish a waiting or running sequence now with reason "abort". False if unknown or finished."""
@@ -208,8 +223,7 @@ class Scheduler:
         # 2. waiting sequences, first come first served
         if out.preempted:
             return out
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+        while budget > 0 and len(self.running) < self.max_num_seqs and (seq := self._waiting_head()) is not None:
             cached = bm.num_cached_prefix_tokens(seq)
             if self._prefix_in_progress(seq, cached):
                 break
@@ -238,7 +252,7 @@ class Scheduler:
                         f" {bm.num_blocks}; it can never run (check requests with Scheduler.can_ever_fit)"
                     )
                 break
-            self.waiting.popleft()
+            self._waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=lambda s: s.seq_id)
             out.scheduled.append(ScheduledSeq(seq, n))
@@ -246,6 +260,13 @@ class Scheduler:
             if logits_rows is not None and _scores_prompt(seq):
                 logits_rows -= n
         return out
+
+    def _waiting_head(self) -> Sequence | None:
+        """The first waiting sequence, after dropping the finished ones ahead of it."""
+        while self._waiting and self._waiting[0].is_finished:
+            self._waiting.popleft()
+            self._num_finished_waiting -= 1
+        return self._waiting[0] if self._waiting else None
 
     def _prefix_in_progress(self, seq: Sequence, cached: int) -> bool:
         """A running sequence has yet to compute prompt blocks that seq shares beyond its `cached` tokens."""
@@ -260,7 +281,7 @@ class Scheduler:
         self.running.remove(seq)
         self.block_manager.free(seq)  # also sets num_computed_tokens = 0: recompute everything
         seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)
+        self._waiting.appendleft(seq)
         out.preempted.append(seq)
         self.num_preemptions += 1
 

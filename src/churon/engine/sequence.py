@@ -26,7 +26,7 @@ from typing import Iterable, Literal
 
 from churon.sampling import SamplingParams
 
-FinishReason = Literal["stop", "length", "abort"]
+FinishReason = Literal["stop", "length", "abort", "error"]  # "error": that request alone failed (GenerationError)
 
 _next_seq_id = itertools.count()
 
@@ -34,7 +34,7 @@ _next_seq_id = itertools.count()
 class SequenceStatus(Enum):
     WAITING = auto()  # queued, holds no KV blocks (new, or preempted and waiting to recompute)
     RUNNING = auto()  # holds KV blocks; scheduled step after step
-    FINISHED = auto()  # done (stop, length or abort); blocks given back
+    FINISHED = auto()  # done (stop, length, abort or error); blocks given back
 
 
 class Sequence:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from churon.tokenizer.chat_template import ChatTemplateError
+from churon.tokenizer.chat_template import ChatTemplateError, ChatTemplateLimitError
 from churon.tokenizer.core import Tokenizer
 from churon.tokenizer.detokenizer import Detokenizer
 from churon.tokenizer.gguf_vocab import from_gguf
@@ -29,4 +29,4 @@ def load_tokenizer(source: ModelSource) -> Tokenizer:
     return from_hf_dir(source.path)
 
 
-__all__ = ["Tokenizer", "ChatTemplateError", "Detokenizer", "from_gguf", "from_hf_dir", "load_tokenizer"]
+__all__ = ["Tokenizer", "ChatTemplateError", "ChatTemplateLimitError", "Detokenizer", "from_gguf", "from_hf_dir", "load_tokenizer"]
