@@ -62,6 +62,64 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+# Qwen2.5-Instruct's template (shortened default system prompt): `tools` in the system turn, assistant
+# tool_calls as <tool_call> JSON, tool results as <tool_response> blocks in one user turn. The native
+# tool-calling template of tests that need one (make_hf_model(..., chat_template=QWEN_TOOLS_TEMPLATE)).
+QWEN_TOOLS_TEMPLATE = r"""{%- if tools %}
+    {{- '<|im_start|>system\n' }}
+    {%- if messages[0]['role'] == 'system' %}
+        {{- messages[0]['content'] }}
+    {%- else %}
+        {{- 'You are a helpful assistant.' }}
+    {%- endif %}
+    {{- "\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>" }}
+    {%- for tool in tools %}
+        {{- "\n" }}
+        {{- tool | tojson }}
+    {%- endfor %}
+    {{- "\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n" }}
+{%- else %}
+    {%- if messages[0]['role'] == 'system' %}
+        {{- '<|im_start|>system\n' + messages[0]['content'] + '<|im_end|>\n' }}
+    {%- else %}
+        {{- '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}
+    {%- endif %}
+{%- endif %}
+{%- for message in messages %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first) or (message.role == "assistant" and not message.tool_calls) %}
+        {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>' + '\n' }}
+    {%- elif message.role == "assistant" %}
+        {{- '<|im_start|>' + message.role }}
+        {%- if message.content %}
+            {{- '\n' + message.content }}
+        {%- endif %}
+        {%- for tool_call in message.tool_calls %}
+            {%- if tool_call.function is defined %}
+                {%- set tool_call = tool_call.function %}
+            {%- endif %}
+            {{- '\n<tool_call>\n{"name": "' }}
+            {{- tool_call.name }}
+            {{- '", "arguments": ' }}
+            {{- tool_call.arguments | tojson }}
+            {{- '}\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\n' }}
+    {%- elif message.role == "tool" %}
+        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\n<tool_response>\n' }}
+        {{- message.content }}
+        {{- '\n</tool_response>' }}
+        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
+            {{- '<|im_end|>\n' }}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
+{%- endif %}
+"""
 
 # A llama3 rope scaling that llama.cpp's converter and transformers agree on (all three regimes occur
 # for head_dim 16, theta 1e4: factor 1 for the high frequencies, a smoothed factor, and 8 for the lowest).
@@ -112,9 +170,10 @@ Good morning! Could you please pass the salt? Thanks a lot. You're welcome, it w
 # Tokenizer
 # --------------------------------------------------------------------------------------------------
 
-def make_tokenizer_files(out_dir: Path) -> None:
+def make_tokenizer_files(out_dir: Path, chat_template: str = CHAT_TEMPLATE) -> None:
     """Train a small byte-level BPE tokenizer and save tokenizer.json, tokenizer_config.json and
-    generation_config.json into out_dir (deterministic: the same files on every call)."""
+    generation_config.json into out_dir (deterministic: the same files on every call).
+    chat_template: tokenizer_config.json's (QWEN_TOOLS_TEMPLATE for a model with native tool calling)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     out_dir = Path(out_dir)
@@ -150,7 +209,7 @@ def make_tokenizer_files(out_dir: Path) -> None:
         "added_tokens_decoder": added_tokens_decoder,
         "additional_special_tokens": ["<|im_start|>", "<|im_end|>"],
         "bos_token": BOS_TOKEN,
-        "chat_template": CHAT_TEMPLATE,
+        "chat_template": chat_template,
         "clean_up_tokenization_spaces": False,
         "eos_token": EOS_TOKEN,
         "model_max_length": MAX_POSITIONS,
@@ -190,6 +249,8 @@ def make_hf_model(
     max_shard_size: str | int = "100KB",
     extra_vocab: int = 0,
     legacy_config: bool = False,
+    chat_template: str = CHAT_TEMPLATE,
+    max_positions: int = MAX_POSITIONS,
 ) -> Path:
     """Build a tiny random fp32 model of `arch` and save it (safetensors + config + tokenizer files).
 
@@ -200,14 +261,15 @@ def make_hf_model(
     (SmolLM2, Qwen2.5, Llama 3.x) still ship it: top-level rope_theta and rope_scaling (null unless
     scaled), torch_dtype instead of dtype, no layer_types, and for qwen a sliding_window number with
     use_sliding_window false, as Qwen2.5 has. Transformers 5 loads both to the same model.
-    Returns out_dir."""
+    chat_template: the tokenizer's (see make_tokenizer_files); max_positions: the context (tool-calling
+    prompts, with their tools' schemas, need more than the default). Returns out_dir."""
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
     if rope_scaling is not None and arch != "llama":
         raise ValueError(f"rope_scaling is only supported for llama here, not {arch!r}")
     out_dir = Path(out_dir)
-    make_tokenizer_files(out_dir)
-    model = _build_model(arch, out_dir, tie_word_embeddings, seed, rope_scaling, extra_vocab)
+    make_tokenizer_files(out_dir, chat_template)
+    model = _build_model(arch, out_dir, tie_word_embeddings, seed, rope_scaling, extra_vocab, max_positions)
     kwargs = {"max_shard_size": max_shard_size} if shard else {}
     model.save_pretrained(out_dir, safe_serialization=True, **kwargs)
     # save_pretrained may write its own generation_config.json; keep ours.
@@ -240,7 +302,7 @@ def _special_ids(hf_dir: Path) -> dict[str, int]:
 
 
 def _build_model(arch: str, tok_dir: Path, tie: bool, seed: int, rope_scaling: dict | None,
-                 extra_vocab: int) -> torch.nn.Module:
+                 extra_vocab: int, max_positions: int = MAX_POSITIONS) -> torch.nn.Module:
     import transformers
     from tokenizers import Tokenizer
 
@@ -254,7 +316,7 @@ def _build_model(arch: str, tok_dir: Path, tie: bool, seed: int, rope_scaling: d
         num_hidden_layers=N_LAYERS,
         num_attention_heads=N_HEADS,
         num_key_value_heads=N_KV_HEADS,
-        max_position_embeddings=MAX_POSITIONS,
+        max_position_embeddings=max_positions,
         rms_norm_eps=RMS_EPS,
         tie_word_embeddings=tie,
         bos_token_id=ids[BOS_TOKEN],

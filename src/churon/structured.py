@@ -1,9 +1,10 @@
-"""Structured output: constrain decoding to JSON valid against a JSON schema, with llguidance.
+"""Structured output: constrain decoding to JSON valid against a JSON schema, or to a Lark grammar
+(llguidance's dialect: tool calls embed each function's schema with %json), with llguidance.
 
 Per engine, a StructuredOutput holds llguidance's view of the vocabulary (an LLTokenizer:
 every token's bytes, which ones are special, the end-of-generation ids), built once on the
 first constrained request because it walks the whole vocabulary. Per request, a Grammar
-wraps an LLMatcher compiled from the schema: before each draw it gives the tokens allowed
+wraps an LLMatcher compiled from the schema or grammar: before each draw it gives the tokens allowed
 next (the sampler sends the others to -inf), after it consumes the drawn token. When the
 matcher stops (the JSON value is complete) the request is done.
 
@@ -55,7 +56,7 @@ class Grammar:
 
 
 class StructuredOutput:
-    """Compiles JSON schemas into per-request Grammars for one model's vocabulary."""
+    """Compiles JSON schemas and Lark grammars into per-request Grammars for one model's vocabulary."""
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int):
         self.tokenizer = tokenizer
@@ -63,19 +64,26 @@ class StructuredOutput:
         self._lltokenizer: llguidance.LLTokenizer | None = None
         self._lock = threading.Lock()
 
-    def grammar(self, json_schema: dict[str, Any]) -> Grammar:
-        """A fresh matcher for the schema; ValueError naming the problem when the schema is invalid."""
+    def grammar(self, json_schema: dict[str, Any] | None = None, *, lark: str | None = None) -> Grammar:
+        """A fresh matcher for the JSON schema or the Lark grammar (exactly one); ValueError naming
+        the problem ("invalid json_schema: ...", "invalid grammar: ...") when it does not compile."""
+        if (json_schema is None) == (lark is None):
+            raise ValueError("structured output needs exactly one of json_schema and lark")
+        what = "json_schema" if lark is None else "grammar"
         try:
-            source = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(json_schema), defaults=JSON_FORMAT)
+            if lark is None:
+                source = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(json_schema), defaults=JSON_FORMAT)
+            else:
+                source = llguidance.LLMatcher.grammar_from_lark(lark)
         except (TypeError, ValueError) as e:
-            raise ValueError(f"invalid json_schema: {e}") from e
+            raise ValueError(f"invalid {what}: {e}") from e
         lltokenizer = self._get_lltokenizer()
         error = llguidance.LLMatcher.validate_grammar(source, lltokenizer)
         if error and not error.startswith("WARNING"):
-            raise ValueError(f"invalid json_schema: {error}")
+            raise ValueError(f"invalid {what}: {error}")
         matcher = llguidance.LLMatcher(lltokenizer, source, log_level=0)
         if matcher.is_error():
-            raise ValueError(f"invalid json_schema: {matcher.get_error()}")
+            raise ValueError(f"invalid {what}: {matcher.get_error()}")
         return Grammar(matcher, self.vocab_size)
 
     def _get_lltokenizer(self) -> llguidance.LLTokenizer:
