@@ -29,3 +29,13 @@ def tiny_llama_q8(tiny_llama_dir, tmp_path_factory):
     from tiny_models import write_gguf
 
     return write_gguf(tiny_llama_dir, tmp_path_factory.mktemp("tiny-llama-gguf") / "tiny.gguf", "Q8_0")
+
+
+@pytest.fixture(scope="session")
+def qwen_tools_gguf(tmp_path_factory):
+    """A tiny random qwen2 (Q8_0 GGUF) whose chat template renders tools as Qwen2.5-Instruct's does, with a
+    context that holds the tools' system turn (~500 tokens): the native tool-calling model of the API tests."""
+    from tiny_models import QWEN_TOOLS_TEMPLATE, make_hf_model, write_gguf
+
+    hf = make_hf_model("qwen2", tmp_path_factory.mktemp("qwen2-tools"), chat_template=QWEN_TOOLS_TEMPLATE, max_positions=2048)
+    return write_gguf(hf, tmp_path_factory.mktemp("qwen2-tools-gguf") / "m.gguf", "Q8_0")

@@ -6,6 +6,7 @@ texts, seeded samples, logprobs recomputed from a full forward pass.
 
 import asyncio
 import json
+import logging
 import re
 import socket
 import subprocess
@@ -160,6 +161,30 @@ def test_streaming_chat_equals_the_whole_answer(client, llm):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10 and chunks[-1].usage.prompt_tokens == len(ids)
 
 
+def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(client, llm):
+    """vLLM's stream_options.continuous_usage_stats, GuideLLM's default: each chunk's usage counts its choice's tokens."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    ids = llm.chat_prompt_ids(MESSAGES)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=6, stream=True,
+                                                 logprobs=True, stream_options=options, extra_body={"ignore_eos": True}))
+    assert all(c.usage is not None and c.usage.prompt_tokens == len(ids) for c in chunks)
+    tokens = [c for c in chunks if c.choices and c.choices[0].logprobs is not None]  # logprobs: one chunk per token
+    assert chunks[0].usage.completion_tokens == 0 and [c.usage.completion_tokens for c in tokens] == [1, 2, 3, 4, 5, 6]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 6
+
+    prompt_ids = llm.tokenizer.encode("Once upon")
+    chunks = list(client.completions.create(model=MODEL, prompt=["Once upon", "a time"], n=2, temperature=0, max_tokens=4,
+                                            stream=True, logprobs=0, stream_options=options, extra_body={"ignore_eos": True}))
+    per_choice = {i: [c.usage.completion_tokens for c in chunks if c.choices and c.choices[0].index == i] for i in range(4)}
+    assert per_choice == {i: [1, 2, 3, 4] for i in range(4)}
+    assert {c.usage.prompt_tokens for c in chunks if c.choices and c.choices[0].index < 2} == {len(prompt_ids)}
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 16
+    # include_usage alone: the usage comes once, at the end
+    plain = list(client.completions.create(model=MODEL, prompt="Once upon", max_tokens=4, stream=True,
+                                           stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    assert [c.usage is not None for c in plain] == [False] * (len(plain) - 1) + [True]
+
+
 def test_streaming_completion(client, llm):
     ids = llm.tokenizer.encode("Once upon")
     ref = greedy(llm, ids, 7, ignore_eos=True)
@@ -247,6 +272,36 @@ def test_completion_echo_returns_prompt_logprobs_first_null(client, llm, max_tok
     assert r.choices[0].text.startswith(prompt)
     assert r.usage.completion_tokens == max_tokens and r.usage.prompt_tokens == len(ids)
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(n)]
+
+
+def test_a_generated_stop_token_is_in_the_tokens_and_logprobs_not_the_text(client, llm):
+    """vLLM's and OpenAI's rule, which lm-eval's loglikelihood relies on: it drops the last logprobs entry as the
+    generated token's. Were an end-of-generation token left out, that would drop the last prompt token's instead."""
+    eos = sorted(llm.tokenizer.eog_ids)[0]
+    prompt = "The quick brown fox jumps"
+    ids = llm.tokenizer.encode(prompt)
+    kw = dict(model=MODEL, prompt=prompt, max_tokens=1, echo=True, logprobs=1, temperature=0,
+              logit_bias={str(eos): 100})  # the stop token for sure; logprobs are the model's own, before the bias
+    r = client.completions.create(**kw)
+    c = r.choices[0]
+    assert c.finish_reason == "stop" and c.text == prompt and r.usage.completion_tokens == 1
+    lp = c.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(ids) + 1
+    assert lp.tokens[-1] == llm.tokenizer.token_bytes(eos).decode()
+    all_ids = ids + [eos]
+    ref = full_logprobs(llm, all_ids)
+    assert lp.token_logprobs[1:] == pytest.approx([float(ref[i - 1, all_ids[i]]) for i in range(1, len(all_ids))], abs=2e-3)
+    streamed = [tp for chunk in client.completions.create(stream=True, **kw) for tp in chunk.choices[0].logprobs.token_logprobs]
+    assert streamed == lp.token_logprobs
+
+    # chat: the stop token ends the logprobs content, and adds nothing to the message
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5, temperature=0, logprobs=True,
+                                       logit_bias={str(eos): 100})
+    chat_ids = llm.chat_prompt_ids(MESSAGES)
+    content = r.choices[0].logprobs.content
+    assert r.choices[0].message.content == "" and r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == 1
+    assert [bytes(e.bytes) for e in content] == [llm.tokenizer.token_bytes(eos)]
+    assert content[0].logprob == pytest.approx(float(full_logprobs(llm, chat_ids)[-1, eos]), abs=2e-3)
 
 
 def test_max_tokens_zero_with_echo_returns_the_prompt(client):
@@ -337,7 +392,10 @@ BAD = [
     ("malformed JSON", "/v1/completions", b'{"prompt": "hi",', 400, None),
     ("wrong type", "/v1/completions", {"prompt": "hi", "max_tokens": "5"}, 400, "max_tokens"),
     ("wrong type in a message", "/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, 400, "messages.0.content"),
-    ("unknown field", "/v1/completions", {"prompt": "hi", "max_tokenz": 5}, 400, "max_tokenz"),
+    ("wrong type beside an unknown field", "/v1/completions", {"prompt": "hi", "store": True, "n": "2"}, 400, "n"),
+    ("wrong type in stream_options", "/v1/completions", {"prompt": "hi", "stream": True,
+                                                         "stream_options": {"continuous_usage_stats": 1}}, 400,
+     "stream_options.continuous_usage_stats"),
     ("negative max_tokens", "/v1/completions", {"prompt": "hi", "max_tokens": -1}, 400, "max_tokens"),
     ("zero max_tokens in chat", "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 0}, 400, "max_tokens"),
     ("negative temperature", "/v1/completions", {"prompt": "hi", "temperature": -0.5}, 400, "temperature"),
@@ -381,6 +439,45 @@ def test_bad_request_gets_its_status_and_error_while_others_are_served(server, c
     assert result["text"] == ref
 
 
+def test_unknown_and_unimplemented_fields_are_accepted_and_logged_once(gguf, caplog):
+    """vLLM's rule: a field churon does not know (a newer OpenAI one, another server's vendor field) is ignored
+    with one warning per name; a documented OpenAI field churon does not implement is named as such."""
+    from churon.server import create_app
+
+    llm = LLM(gguf, threads=1)
+    app = create_app(lambda: llm, MODEL)
+    body = {"prompt": "hi", "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    extra = {"best_of": 2, "suffix": "!", "max_tokenz": 5, "stream_options": {"include_usage": True, "include_obfuscation": False}}
+    chat = {"messages": MESSAGES, "max_tokens": 2, "store": True, "metadata": {"k": "v"}, "service_tier": "auto",
+            "reasoning_effort": "low", "top_a": 0.1}
+
+    async def main():
+        async with app.router.lifespan_context(app):
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+                for _ in range(600):
+                    if (await http.get("/health")).status_code == 200:
+                        break
+                    await asyncio.sleep(0.05)
+                plain = (await http.post("/v1/completions", json=body)).json()["choices"][0]["text"]
+                with caplog.at_level(logging.WARNING, logger="churon.server"):
+                    for _ in range(2):
+                        r = await http.post("/v1/completions", json=body | extra)
+                        assert r.status_code == 200 and r.json()["choices"][0]["text"] == plain
+                        assert (await http.post("/v1/chat/completions", json=chat)).status_code == 200
+
+    asyncio.run(main())
+    warnings = [r.getMessage() for r in caplog.records if r.name == "churon.server" and r.levelno == logging.WARNING]
+    unimplemented = [("CompletionRequest", "best_of"), ("CompletionRequest", "suffix"), ("StreamOptions", "include_obfuscation"),
+                     ("ChatCompletionRequest", "store"), ("ChatCompletionRequest", "metadata"),
+                     ("ChatCompletionRequest", "service_tier"), ("ChatCompletionRequest", "reasoning_effort")]
+    unknown = [("CompletionRequest", "max_tokenz"), ("ChatCompletionRequest", "top_a")]
+    assert sorted(warnings) == sorted(
+        [f"{model}: ignoring field {name!r}: churon does not implement it" for model, name in unimplemented]
+        + [f"{model}: ignoring unknown field {name!r}" for model, name in unknown]
+    )
+
+
 def test_oversized_body_is_413_by_length_and_while_read(server, client):
     big = json.dumps({"prompt": "x" * (5 << 20)}).encode()
     r = httpx.post(f"{server}/v1/completions", content=big, headers={"content-type": "application/json"}, timeout=30)
@@ -398,9 +495,23 @@ def test_oversized_body_is_413_by_length_and_while_read(server, client):
 # --- other endpoints -----------------------------------------------------------------------
 
 
-def test_models_tokenize_detokenize(server, llm):
+def test_models_tokenize_detokenize(server, client, llm):
     models = httpx.get(f"{server}/v1/models").json()
     assert models["object"] == "list" and [m["id"] for m in models["data"]] == [MODEL]
+    assert httpx.get(f"{server}/v1/models/{MODEL}").json() == models["data"][0]
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError, match="gpt-9"):
+        client.models.retrieve("gpt-9")
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("org/tiny")
+    info = httpx.get(f"{server}/tokenizer_info").json()
+    tokenizer = llm.tokenizer
+    assert info == {"tokenizer_class": "Tokenizer", "bos_token": tokenizer.bos_token, "eos_token": tokenizer.eos_token,
+                    "add_bos_token": tokenizer.add_bos, "add_eos_token": False, "model_max_length": 256,
+                    "chat_template": tokenizer.chat_template}
+    # lm-eval's remote tokenizer finds the stop token's id by tokenizing its text without special tokens added
+    r = httpx.post(f"{server}/tokenize", json={"prompt": info["eos_token"], "add_special_tokens": False}).json()
+    assert r["tokens"] == [tokenizer.eos_id]
     r = httpx.post(f"{server}/tokenize", json={"prompt": "hello world"}).json()
     assert r["tokens"] == llm.tokenizer.encode("hello world") and r["count"] == len(r["tokens"]) and r["max_model_len"] == 256
     r = httpx.post(f"{server}/tokenize", json={"messages": MESSAGES}).json()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 from collections import Counter
 from pathlib import Path
@@ -252,23 +253,52 @@ def _print_native_layouts(m) -> None:
     weights = {}
     for name, w in m.load_weights().items():
         if len(w.shape) == 2:
-            weights.setdefault(getattr(w, "qtype", None) or str(w.dtype), w)
+            qtype = getattr(w, "qtype", None)  # GGML type F32 is 0: test against None, not for truth
+            weights.setdefault(qtype if qtype is not None else str(w.dtype), w)
     print(f"\nnative kernels ({kernels.cpu.isa()}), weight layout at run time:")
     for kind, w in weights.items():
         print(f"  {getattr(kind, 'name', kind):<8} {backend.matrix(w).layout}")
 
 
-def cmd_serve(args) -> int:
-    import uvicorn
+API_KEY_ENV = "CHURON_API_KEY"
 
+
+def _api_key(args) -> str | None:
+    """--api-key-file's key, else --api-key's (which any user can read in `ps`), else $CHURON_API_KEY's."""
+    if args.api_key is not None and args.api_key_file is not None:
+        raise ValueError("give --api-key or --api-key-file, not both")
+    if args.api_key_file is not None:
+        try:
+            key = Path(args.api_key_file).read_text().strip()
+        except OSError as e:
+            raise ValueError(f"--api-key-file {args.api_key_file}: {e.strerror}") from None
+        if not key:
+            raise ValueError(f"--api-key-file {args.api_key_file}: the file is empty")
+        return key
+    if args.api_key is not None:
+        return args.api_key
+    return os.environ.get(API_KEY_ENV) or None
+
+
+def _given(args, *names: str) -> dict:
+    return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+
+
+def cmd_serve(args) -> int:
     from churon.config import EngineConfig
     from churon.llm import LLM
     from churon.server import create_app
+    from churon.server.connections import ConnectionLimits
+    from churon.server.limits import RequestLimits
+    from churon.server.serve import make_server
 
     model = args.model or DEFAULT_MODEL
-    engine_options = {k: getattr(args, k) for k in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "kv_cache_memory")
-                      if getattr(args, k) is not None}
+    engine_options = _given(args, "max_num_seqs", "max_num_batched_tokens", "max_model_len", "kv_cache_memory")
     EngineConfig(**engine_options)  # bad settings fail now, not after the port is bound
+    # as for the engine: the flags left out keep the dataclasses' defaults, bad values fail before the port is bound
+    limits = RequestLimits(**_given(args, "max_choices", "max_prompt_tokens", "max_logit_bias", "max_stop", "max_logprobs"))
+    connection_limits = ConnectionLimits(**_given(args, "header_timeout", "body_timeout", "max_connections"))
+    api_key = _api_key(args)
     failures: list[BaseException] = []
 
     def load():
@@ -278,9 +308,10 @@ def cmd_serve(args) -> int:
         failures.append(e)
         server.should_exit = True
 
-    app = create_app(load, args.served_model_name or model, api_key=args.api_key, max_queue=args.max_queue,
-                     max_body_bytes=args.max_body_bytes, on_load_error=on_load_error)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
+    app = create_app(load, args.served_model_name or model, api_key=api_key, max_queue=args.max_queue,
+                     max_body_bytes=args.max_body_bytes, limits=limits, on_load_error=on_load_error)
+    server = make_server(app, args.host, args.port, log_level=args.log_level, connection_limits=connection_limits,
+                         **_given(args, "shutdown_timeout"))
     print(f"churon: serving {model} on http://{args.host}:{args.port}/v1 (loading; GET /health says when ready)", file=sys.stderr)
     server.run()
     if failures:
@@ -469,9 +500,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default=None, help="the name clients send as `model` (default: MODEL as given)")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every API request")
-    p.add_argument("--max-queue", type=int, default=None, help="most requests waiting for the batch; beyond it 503")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every API request (visible"
+                   f" to every user in `ps`: prefer --api-key-file or ${API_KEY_ENV})")
+    p.add_argument("--api-key-file", default=None, help=f"read the API key from this file (default: ${API_KEY_ENV}, if set)")
+    p.add_argument("--max-queue", type=int, default=None,
+                   help="most requests waiting for the batch; beyond it 503 (default: the KV cache's blocks)")
     p.add_argument("--max-body-bytes", type=int, default=4 << 20, help="largest request body (default 4 MiB); beyond it 413")
+    p.add_argument("--max-choices", type=int, default=None, help="n x prompts of one request (default 128); beyond it 400")
+    p.add_argument("--max-prompt-tokens", type=int, default=None,
+                   help="prompt tokens over all of one request's choices (default 1048576); beyond it 400")
+    p.add_argument("--max-logit-bias", type=int, default=None, help="logit_bias entries of a request (default 1024)")
+    p.add_argument("--max-stop", type=int, default=None, help="stop strings of a request (default 64)")
+    p.add_argument("--max-logprobs", type=int, default=None, help="most logprobs / top_logprobs a request may ask (default 20)")
+    p.add_argument("--header-timeout", type=float, default=None,
+                   help="seconds for a connection to send a request's headers (default 10); then it is closed")
+    p.add_argument("--body-timeout", type=float, default=None,
+                   help="seconds for a request's whole body to arrive after its headers (default 60); then 408")
+    p.add_argument("--max-connections", type=int, default=None,
+                   help="open connections; beyond it 503 and closed (default: the open-file limit, raised, less 128)")
+    p.add_argument("--shutdown-timeout", type=float, default=None,
+                   help="on SIGTERM, seconds the running requests have to finish (default 30); then they are ended")
     p.add_argument("--max-num-seqs", type=int, default=None, help="sequences in one batch")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens in one step (prompt chunks + decodes)")
     p.add_argument("--max-model-len", type=int, default=None, help="cap on a sequence's length (default: the model's context)")

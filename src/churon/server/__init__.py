@@ -1,11 +1,16 @@
 """churon's HTTP server: `churon serve`, or create_app() for an ASGI server of your own.
 
     app.py         create_app: wires the parts below into one FastAPI app
-    state.py       what the routes share (the model once loaded, metrics, admission); the 503 while loading
+    serve.py       make_server: the app on uvicorn, as `churon serve` runs it (file limit, SIGTERM's drain)
+    connections.py under the app: header and body read deadlines, the connection limit
+    state.py       what the routes share (the model once loaded, metrics, admission, limits); the 503 while loading
     errors.py      APIError and the exception handlers: every error as OpenAI's error body
-    middleware.py  before any route: the API key, the body-size limit, answers counted by status
+    middleware.py  before any route: the API key, the body-size limit, answers counted by status, the 500 of a bug
     admission.py   --max-queue: engine requests waiting for their first token
-    generation.py  the engine requests of one HTTP request, run together; its 400s and 499
+    limits.py      the work one request may ask for: choices, prompt tokens, logit_bias, stop strings, logprobs
+    offload.py     chat templates and tokenization on a thread pool of their own, off the event loop
+    generation.py  the engine requests of one HTTP request, run together; its 400s, 499 and 503
+    drain.py       the graceful shutdown: no new requests, a grace period, then every request ended properly
     metrics.py     Prometheus text
     system.py      /health, /metrics
     openai/        OpenAI's API (and vLLM's /tokenize, /detokenize); other APIs get packages beside it

@@ -10,16 +10,27 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Iterator
 
+from churon.llm import LLM
 from churon.server.errors import APIError
 
 
 class Admission:
     def __init__(self, max_queue: int | None):
-        """max_queue: most engine requests admitted and still without their first token; None: no limit."""
+        """max_queue: most engine requests admitted and still without their first token; None: sized from
+        the model's KV cache once it is loaded (size_for)."""
         if max_queue is not None and max_queue < 1:
-            raise ValueError(f"max_queue={max_queue!r}: must be >= 1 (or None for no limit)")
+            raise ValueError(f"max_queue={max_queue!r}: must be >= 1 (or None to size it from the KV cache)")
         self.max_queue = max_queue
         self.not_started = 0  # engine requests admitted and still without their first token (queued or in prefill)
+
+    def size_for(self, llm: LLM) -> None:
+        """The default limit, once the model is loaded: as many requests as its KV cache has blocks. Each needs
+        a block of its own to start, so of a longer queue some would wait for others to finish, however
+        short they are; a client is better told 503 at once, to retry (or go elsewhere), than kept waiting
+        for rounds of the batch, its request held in memory meanwhile."""
+        if self.max_queue is None:
+            engine = llm.engine
+            self.max_queue = max(engine.config.max_num_seqs, engine.block_manager.num_blocks)
 
     @contextmanager
     def admit(self, n: int) -> Iterator[None]:

@@ -13,9 +13,10 @@ from typing import Callable
 from fastapi import FastAPI
 
 from churon.llm import LLM
-from churon.server import openai, system
+from churon.server import anthropic, openai, system
 from churon.server.admission import Admission
 from churon.server.errors import EXCEPTION_HANDLERS
+from churon.server.limits import RequestLimits
 from churon.server.middleware import RequestGuard
 from churon.server.state import ServerState
 
@@ -29,14 +30,16 @@ def create_app(
     api_key: str | None = None,
     max_queue: int | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    limits: RequestLimits = RequestLimits(),
     on_load_error: Callable[[BaseException], None] | None = None,
 ) -> FastAPI:
     """load_llm runs on a thread at startup. max_queue: most engine requests waiting for their first token
-    before new ones get a 503. on_load_error: called (on the loading thread) when load_llm raises."""
+    before new ones get a 503 (None: as many as the loaded model's KV cache has blocks). limits: the work
+    one request may ask for. on_load_error: called (on the loading thread) when load_llm raises."""
     admission = Admission(max_queue)
     if max_body_bytes < 1:
         raise ValueError(f"max_body_bytes={max_body_bytes!r}: must be >= 1")
-    state = ServerState(model_name, admission)
+    state = ServerState(model_name, admission, limits)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -49,4 +52,5 @@ def create_app(
     app.add_middleware(RequestGuard, metrics=state.metrics, api_key=api_key, max_body_bytes=max_body_bytes)
     app.include_router(system.router)
     app.include_router(openai.router)
+    app.include_router(anthropic.router)
     return app

@@ -1,17 +1,24 @@
 """What every HTTP request passes before its route: the API key, the body-size limit, and
 the count of answers by status code. Plain ASGI, so an oversized body is refused while it
-is read, before it is ever held whole in memory."""
+is read, before it is ever held whole in memory.
+
+It also answers a route's unexpected exception (a bug, an engine failure) with its 500 itself.
+Starlette's outermost middleware would answer it too, but then re-raise it, and uvicorn closes the
+connection of a request whose app raised: the client's next pooled request would fail with it."""
 
 from __future__ import annotations
 
 import hmac
 import json
+import logging
 
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from churon.server.errors import error_body
+from churon.server.errors import error_body_for, is_anthropic_path, server_error_message
 from churon.server.metrics import ServerMetrics
+
+log = logging.getLogger("churon.server")
 
 # Liveness probes reach /health without a key (it says only whether the model is loaded);
 # every other path, /metrics included (it tells who uses the server how much), needs the key.
@@ -29,18 +36,23 @@ class RequestGuard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        started = False
+
         async def counting_send(message: Message) -> None:
+            nonlocal started
             if message["type"] == "http.response.start":
+                started = True
                 self.metrics.requests_by_status[message["status"]] += 1
             await send(message)
 
         if self.api_key is not None and scope["path"] not in OPEN_PATHS and not self._authorized(scope):
-            await _error(counting_send, 401, "invalid or missing API key: send the header 'Authorization: Bearer <key>'",
+            header = "x-api-key: <key>" if is_anthropic_path(scope["path"]) else "Authorization: Bearer <key>"
+            await _error(counting_send, scope, 401, f"invalid or missing API key: send the header '{header}'",
                          "authentication_error", code="invalid_api_key")
             return
         length = _header(scope, b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
-            await _error(counting_send, 413, self._too_large_message(), code="request_too_large")
+            await _error(counting_send, scope, 413, self._too_large_message(), code="request_too_large")
             return
 
         received = 0
@@ -55,12 +67,19 @@ class RequestGuard:
                     raise HTTPException(413, self._too_large_message())
             return message
 
-        await self.app(scope, limited_receive, counting_send)
+        try:
+            await self.app(scope, limited_receive, counting_send)
+        except Exception as e:
+            if started:  # a response cut short: the connection has to go, and uvicorn logs why
+                raise
+            log.exception("%s %s failed", scope["method"], scope["path"])
+            await _error(counting_send, scope, 500, server_error_message(e), "server_error")
 
     def _authorized(self, scope: Scope) -> bool:
-        given = _header(scope, b"authorization") or ""
-        expected = f"Bearer {self.api_key}"
-        return hmac.compare_digest(given.encode(), expected.encode())
+        # OpenAI's clients send the key as a bearer token, Anthropic's as x-api-key: either opens every path
+        bearer = hmac.compare_digest((_header(scope, b"authorization") or "").encode(), f"Bearer {self.api_key}".encode())
+        x_api_key = hmac.compare_digest((_header(scope, b"x-api-key") or "").encode(), self.api_key.encode())
+        return bearer or x_api_key
 
     def _too_large_message(self) -> str:
         return f"the request body is larger than the server's limit of {self.max_body_bytes} bytes (--max-body-bytes)"
@@ -73,9 +92,10 @@ def _header(scope: Scope, name: bytes) -> str | None:
     return None
 
 
-async def _error(send: Send, status: int, message: str, type: str = "invalid_request_error", code: str | None = None) -> None:
+async def _error(send: Send, scope: Scope, status: int, message: str, type: str = "invalid_request_error",
+                 code: str | None = None) -> None:
     # written out here: a response sent before the app runs, so no exception handler renders it
-    body = json.dumps(error_body(message, type, code=code)).encode()
+    body = json.dumps(error_body_for(scope["path"], status, message, type, code=code)).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})

@@ -8,16 +8,18 @@
     tokenization.py  POST /tokenize, /detokenize
     chat.py          POST /v1/chat/completions
     completions.py   POST /v1/completions
+    responses.py     POST /v1/responses (the Responses API), GET and DELETE /v1/responses/{id}
+    responses_protocol.py  its request body; response_store.py  the responses kept, for previous_response_id
 
 One package per wire format: another API (Anthropic's Messages, Ollama's) sits beside this one
 with its own protocol, rendering and routes, and runs its requests through the same state.py and
-generation.py. Tool calling and the Responses API extend this one.
+generation.py.
 """
 
 from fastapi import APIRouter
 
-from churon.server.openai import chat, completions, models, tokenization
+from churon.server.openai import chat, completions, models, responses, tokenization
 
 router = APIRouter()
-for module in (models, tokenization, chat, completions):
+for module in (models, tokenization, chat, completions, responses):
     router.include_router(module.router)

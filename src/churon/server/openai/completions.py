@@ -11,10 +11,11 @@ from churon.errors import ContextLengthError
 from churon.llm import LLM
 from churon.server.errors import APIError
 from churon.server.generation import EngineRequest, Generation, finish_generation, start_generation
+from churon.server.offload import off_loop
 from churon.server.openai import render
 from churon.server.openai.models import check_model
-from churon.server.openai.protocol import CompletionRequest
-from churon.server.openai.sampling import sampling_params
+from churon.server.openai.protocol import CompletionRequest, StreamOptions
+from churon.server.openai.sampling import check_request, sampling_params
 from churon.server.openai.streaming import sse
 from churon.server.state import ServerState, server_state
 from churon.tokenizer import Tokenizer
@@ -26,7 +27,10 @@ router = APIRouter()
 async def completions(body: CompletionRequest, request: Request, state: ServerState = Depends(server_state)):
     llm, _ = state.ready()
     check_model(state, body.model)
-    prompts = _prompts(body.prompt, llm)
+    state.limits.check_choices(body.n, _count(body.prompt))
+    check_request(body, state.limits, body.logprobs, "logprobs")
+    prompts = await off_loop(_prompts, body.prompt, llm)
+    state.limits.check_prompt_tokens(sum(len(ids) for ids, _ in prompts) * body.n, "prompt")
     max_tokens = body.max_tokens
     if max_tokens is None:
         max_tokens = 16
@@ -51,8 +55,7 @@ async def completions(body: CompletionRequest, request: Request, state: ServerSt
         return render.completion_response(id, model, choices, render.usage(prompt_tokens, 0))
     generation = await start_generation(request, state, requests, prompt_param="prompt")
     if body.stream:
-        include_usage = body.stream_options is not None and body.stream_options.include_usage
-        return sse(_completion_stream(generation, id, model, tokenizer, body, prompts, include_usage))
+        return sse(_completion_stream(generation, id, model, tokenizer, body, prompts, body.stream_options or StreamOptions()))
     outputs = await finish_generation(request, generation)
     choices = []
     for i, o in enumerate(outputs):
@@ -70,8 +73,14 @@ async def completions(body: CompletionRequest, request: Request, state: ServerSt
     return render.completion_response(id, model, choices, render.usage(prompt_tokens, completion_tokens))
 
 
+def _count(prompt) -> int:
+    """How many prompts the body's `prompt` holds, before any is tokenized."""
+    return 1 if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int) else len(prompt)
+
+
 def _prompts(prompt, llm: LLM) -> list[tuple[list[int], str]]:
-    """(token ids, text) of each prompt: a string, a list of strings, a list of ids, a list of id lists."""
+    """(token ids, text) of each prompt: a string, a list of strings, a list of ids, a list of id lists.
+    Tokenizes and decodes: runs off the event loop."""
     if isinstance(prompt, str):
         prompt = [prompt]
     if not prompt:
@@ -81,7 +90,10 @@ def _prompts(prompt, llm: LLM) -> list[tuple[list[int], str]]:
     out = []
     for p in prompt:
         if isinstance(p, str):
-            out.append((llm.tokenizer.encode(p), p))
+            try:
+                out.append((llm.encode(p), p))
+            except ContextLengthError as e:  # refused by its length, before it is tokenized
+                raise APIError(400, str(e), param="prompt", code="context_length_exceeded")
         else:
             _check_prompt(llm, p)
             out.append((list(p), llm.tokenizer.decode(p)))
@@ -98,10 +110,15 @@ def _check_prompt(llm: LLM, ids: list[int]) -> None:
 
 
 async def _completion_stream(generation: Generation, id: str, model: str, tokenizer: Tokenizer, body: CompletionRequest,
-                             prompts: list[tuple[list[int], str]], include_usage: bool) -> AsyncIterator[dict[str, Any]]:
+                             prompts: list[tuple[list[int], str]], options: StreamOptions) -> AsyncIterator[dict[str, Any]]:
     offsets = [0] * len(generation.requests)  # text_offset of each choice's next token
+    generated = [0] * len(generation.requests)  # tokens of each choice so far: one per delta
     echoed: set[int] = set()
-    completion_tokens = 0
+
+    def chunk(i: int, text: str, finish_reason: str | None, logprobs: dict[str, Any] | None) -> dict[str, Any]:
+        c = render.completion_chunk(id, model, render.completion_choice(i, text, finish_reason, logprobs))
+        return render.with_usage(c, len(prompts[i // body.n][0]), generated[i]) if options.continuous_usage else c
+
     async for i, d in generation.deltas():
         if body.echo and i not in echoed:  # the prompt goes first, with its logprobs when asked
             echoed.add(i)
@@ -109,16 +126,15 @@ async def _completion_stream(generation: Generation, id: str, model: str, tokeni
             logprobs = None
             if body.logprobs is not None:
                 logprobs = render.completion_logprobs(tokenizer, d.output.prompt_token_ids, d.output.prompt_logprobs)
-            yield render.completion_chunk(id, model, render.completion_choice(i, text, None, logprobs))
+            yield chunk(i, text, None, logprobs)
             offsets[i] = len(text)
+        generated[i] += 1
         logprobs = None
         if body.logprobs is not None and d.logprob is not None:
             logprobs = render.completion_logprobs(tokenizer, [d.logprob.token_id], [d.logprob], offsets[i])
         offsets[i] += len(d.text)
-        if d.finish_reason is not None:
-            completion_tokens += len(d.output.token_ids)
         if d.text or logprobs is not None or d.finish_reason is not None:
-            yield render.completion_chunk(id, model, render.completion_choice(i, d.text, d.finish_reason, logprobs))
-    if include_usage:
+            yield chunk(i, d.text, d.finish_reason, logprobs)
+    if options.include_usage:
         prompt_tokens = sum(len(ids) for ids, _ in prompts)
-        yield render.usage_chunk(id, "text_completion", model, render.usage(prompt_tokens, completion_tokens))
+        yield render.usage_chunk(id, "text_completion", model, render.usage(prompt_tokens, sum(generated)))

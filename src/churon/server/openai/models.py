@@ -1,4 +1,5 @@
-"""The served model: GET /v1/models lists it, and check_model refuses a request that names another."""
+"""The served model: GET /v1/models lists it, GET /v1/models/{id} retrieves it, and check_model refuses a
+request that names another."""
 
 from __future__ import annotations
 
@@ -18,9 +19,18 @@ def check_model(state: ServerState, name: str | None) -> None:
                        param="model", code="model_not_found", type="not_found_error")
 
 
+def _model_card(state: ServerState) -> dict[str, Any]:
+    llm, _ = state.ready()
+    return {"id": state.model_name, "object": "model", "created": 0, "owned_by": "churon", "max_model_len": llm.max_model_len}
+
+
 @router.get("/v1/models")
 async def models(state: ServerState = Depends(server_state)) -> dict[str, Any]:
-    llm, _ = state.ready()
-    entry = {"id": state.model_name, "object": "model", "created": 0, "owned_by": "churon",
-             "max_model_len": llm.max_model_len}
-    return {"object": "list", "data": [entry]}
+    return {"object": "list", "data": [_model_card(state)]}
+
+
+@router.get("/v1/models/{model:path}")  # :path: a served name may hold slashes ("HuggingFaceTB/SmolLM2-135M")
+async def model(model: str, state: ServerState = Depends(server_state)) -> dict[str, Any]:
+    card = _model_card(state)
+    check_model(state, model)
+    return card

@@ -13,18 +13,52 @@ from pydantic import Field
 from churon.server.request_model import RequestModel
 
 
-MAX_N = 128  # choices per request: each is a whole engine request
-
 
 class TextPart(RequestModel):
     type: Literal["text"]
     text: str
 
 
+class FunctionCall(RequestModel):
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+
+
+class ChatToolCall(RequestModel):
+    """An assistant message's call, as the chat completion returned it."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(RequestModel):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None  # None only for an assistant message that calls tools
     name: str | None = None
+    tool_calls: list[ChatToolCall] | None = None  # assistant
+    tool_call_id: str | None = None  # tool: the call this result answers
+
+
+class FunctionDefinition(RequestModel):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # the arguments' JSON schema
+    strict: bool | None = None  # churon's forced calls always follow the schema; its auto calls are parsed as written
+
+
+class ChatTool(RequestModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(RequestModel):
+    name: str
+
+
+class NamedToolChoice(RequestModel):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class JsonSchemaFormat(RequestModel):
@@ -40,14 +74,22 @@ class ResponseFormat(RequestModel):
 
 
 class StreamOptions(RequestModel):
+    UNIMPLEMENTED = frozenset({"include_obfuscation"})
+
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's; GuideLLM's default streaming asks for it
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Every chunk carries its choice's usage so far; as in vLLM, only together with include_usage."""
+        return self.include_usage and self.continuous_usage_stats
 
 
 class SamplingFields(RequestModel):
     """The fields chat and completions requests share."""
 
     model: str | None = None
-    n: int = Field(1, ge=1, le=MAX_N)
+    n: int = Field(1, ge=1)  # at most --max-choices, with the prompts (server/limits.py)
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -66,14 +108,25 @@ class SamplingFields(RequestModel):
 
 
 class ChatCompletionRequest(SamplingFields):
+    UNIMPLEMENTED = frozenset({
+        "store", "metadata", "service_tier", "reasoning_effort", "verbosity", "prediction", "modalities", "audio",
+        "web_search_options", "prompt_cache_key", "safety_identifier",
+    })
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[ChatTool] | None = None
+    # "none", "auto" or "required" (ToolPlan names any other string in its 400); OpenAI's default: auto with tools
+    tool_choice: str | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
 
 class CompletionRequest(SamplingFields):
+    UNIMPLEMENTED = frozenset({"suffix", "best_of"})
+
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16  # OpenAI's default for /v1/completions
     logprobs: int | None = None

@@ -1,6 +1,6 @@
-"""Engine outputs in OpenAI's response shapes: chat and text completions, their streaming
-chunks, usage, and the two logprobs layouts (chat's `content` list, completions' parallel
-`tokens` / `token_logprobs` / `top_logprobs` / `text_offset` lists)."""
+"""Engine outputs in OpenAI's response shapes: chat (with its tool calls) and text completions,
+their streaming chunks, usage, and the two logprobs layouts (chat's `content` list, completions'
+parallel `tokens` / `token_logprobs` / `top_logprobs` / `text_offset` lists)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import uuid
 from typing import TYPE_CHECKING, Any, Sequence
 
 from churon.tokenizer import Tokenizer
+from churon.tool_calls import TextDelta, ToolCall, ToolCallStart
+from churon.tool_calls.tool import StreamEvent
 
 if TYPE_CHECKING:
     from churon.engine import TokenLogprob
@@ -45,14 +47,38 @@ def chat_response(id: str, model: str, choices: list[dict[str, Any]], usage_: di
     return _header(id, "chat.completion", model) | {"choices": choices, "usage": usage_}
 
 
-def chat_choice(index: int, text: str, finish_reason: str, logprobs: dict[str, Any] | None) -> dict[str, Any]:
-    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs, "finish_reason": finish_reason}
+def chat_choice(index: int, text: str | None, finish_reason: str, logprobs: dict[str, Any] | None,
+                tool_calls: Sequence[ToolCall] = ()) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if tool_calls:
+        message["tool_calls"] = [chat_tool_call(c) for c in tool_calls]
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def chat_tool_call(call: ToolCall) -> dict[str, Any]:
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+
+
+def chat_stream_delta(event: StreamEvent) -> dict[str, Any]:
+    """One parsed piece of a streamed output as a chunk's delta: answer text, a call's start (its id and
+    name, arguments "") or the next fragment of its arguments, the way OpenAI streams them."""
+    if isinstance(event, TextDelta):
+        return {"content": event.text}
+    if isinstance(event, ToolCallStart):
+        function = {"name": event.name, "arguments": ""}
+        return {"tool_calls": [{"index": event.index, "id": event.id, "type": "function", "function": function}]}
+    return {"tool_calls": [{"index": event.index, "function": {"arguments": event.fragment}}]}
 
 
 def chat_chunk(id: str, model: str, index: int, delta: dict[str, Any], finish_reason: str | None = None,
                logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
     return _header(id, "chat.completion.chunk", model) | {"choices": [choice]}
+
+
+def with_usage(chunk: dict[str, Any], prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    """A stream chunk with its choice's usage so far (stream_options.continuous_usage_stats, vLLM's)."""
+    return chunk | {"usage": usage(prompt_tokens, completion_tokens)}
 
 
 def usage_chunk(id: str, object: str, model: str, usage_: dict[str, int]) -> dict[str, Any]:

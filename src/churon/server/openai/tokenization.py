@@ -1,4 +1,6 @@
-"""POST /tokenize and /detokenize: vLLM's extensions to OpenAI's API, over the served model's tokenizer."""
+"""POST /tokenize, /detokenize and GET /tokenizer_info: vLLM's extensions to OpenAI's API, over the served
+model's tokenizer. With them a client tokenizes exactly as churon does (lm-eval's
+`tokenizer_backend=remote`), instead of rebuilding a tokenizer that may split text differently."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ from typing import Any
 from fastapi import APIRouter, Depends
 
 from churon.server.errors import APIError
+from churon.server.offload import off_loop
 from churon.server.openai.chat import template_messages
 from churon.server.openai.models import check_model
 from churon.server.openai.protocol import DetokenizeRequest, TokenizeRequest
@@ -23,11 +26,14 @@ async def tokenize(body: TokenizeRequest, state: ServerState = Depends(server_st
         raise APIError(400, "give exactly one of prompt and messages", param="prompt")
     if body.messages is not None:
         try:
-            ids = llm.chat_prompt_ids(template_messages(body.messages), add_generation_prompt=body.add_generation_prompt)
-        except ValueError as e:  # the chat template refused the conversation
+            ids = await off_loop(llm.chat_prompt_ids, template_messages(body.messages),
+                                 add_generation_prompt=body.add_generation_prompt)
+        except ValueError as e:  # the chat template refused the conversation, or ran past its limits on it
             raise APIError(400, str(e), param="messages")
     else:
-        ids = llm.tokenizer.encode(body.prompt, add_bos=None if body.add_special_tokens else False)
+        # any length the body limit lets through, not only what fits the context: lm-eval tokenizes whole
+        # documents here to score them window by window
+        ids = await off_loop(llm.tokenizer.encode, body.prompt, add_bos=None if body.add_special_tokens else False)
     return {"count": len(ids), "max_model_len": llm.max_model_len, "tokens": ids}
 
 
@@ -39,4 +45,22 @@ async def detokenize(body: DetokenizeRequest, state: ServerState = Depends(serve
     bad = [t for t in body.tokens if not 0 <= t < vocab]
     if bad:
         raise APIError(400, f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})", param="tokens")
-    return {"prompt": llm.tokenizer.decode(body.tokens)}
+    return {"prompt": await off_loop(llm.tokenizer.decode, body.tokens)}
+
+
+@router.get("/tokenizer_info")
+async def tokenizer_info(state: ServerState = Depends(server_state)) -> dict[str, Any]:
+    """vLLM's shape: the tokenizer_config.json fields and tokenizer_class (here churon's own Tokenizer)."""
+    llm, _ = state.ready()
+    tokenizer = llm.tokenizer
+    info = {
+        "tokenizer_class": type(tokenizer).__name__,
+        "bos_token": tokenizer.bos_token,
+        "eos_token": tokenizer.eos_token,
+        "add_bos_token": tokenizer.add_bos,
+        "add_eos_token": False,
+        "model_max_length": llm.max_model_len,
+    }
+    if tokenizer.chat_template is not None:
+        info["chat_template"] = tokenizer.chat_template
+    return info
