@@ -48,7 +48,8 @@ class PagedKVCache:
         self.dtype_name = KV_DTYPE_NAMES[dtype]
         layers, slots = config.num_layers, num_blocks * block_size
         shape = (layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
-        # empty, not zeros: a slot is always written before it is read, and untouched pages cost no memory
+        # empty, not zeros: a slot is always written before it is read (tests/test_reproducibility.py fills
+        # this memory with NaN and gets the same bits), and untouched pages cost no memory
         self.k = torch.empty(shape, dtype=dtype)
         self.v = torch.empty(shape, dtype=dtype)
         # the same memory indexed by slot: [layers, num_blocks * block_size, kv_heads, head_dim]
