@@ -107,6 +107,7 @@ def test_files_that_exhausted_memory_fail_fast_with_bounded_memory(hostile, targ
         assert str(tmp / name) in message and match in message, (name, message)
 
 
+@pytest.mark.slow  # up to 20 s of the gguf package's loop
 def test_the_old_reader_fails_this_test(hostile):
     """What the test above guards against: the gguf package's reader, which read zero bytes per element
     at the end of the file, loops on the 2^60-element array until the cap stops it (MemoryError) or the

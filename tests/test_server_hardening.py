@@ -84,6 +84,15 @@ def test_anthropic_stop_sequences_limit_is_its_own_error(server):
     assert "stop_sequences" in body["error"]["message"] and "--max-stop" in body["error"]["message"]
 
 
+def test_anthropic_prompt_tokens_limit_is_its_own_error(server):
+    r = httpx.post(f"{server}/v1/messages", json={"model": MODEL, "max_tokens": 2,
+                                                  "messages": [{"role": "user", "content": "ab " * 40}]}, timeout=30)
+    assert r.status_code == 400, r.text
+    body = r.json()
+    assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
+    assert body["error"]["message"].startswith("messages: ") and "--max-prompt-tokens" in body["error"]["message"]
+
+
 def test_within_the_limits_is_served(server):
     r = httpx.post(f"{server}/v1/completions", json={"model": MODEL, "prompt": [[5] * 4] * 4, "n": 2, "max_tokens": 2,
                                                      "logprobs": 3, "stop": ["x", "y"], "logit_bias": {"7": 1}},

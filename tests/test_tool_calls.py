@@ -82,6 +82,11 @@ HERMES_CASES = [
     ('<tool_call>\n{"name": "rm_rf", "arguments": {}}\n</tool_call>',
      '<tool_call>\n{"name": "rm_rf", "arguments": {}}\n</tool_call>', []),
     ("see <tool_call> here", "see <tool_call> here", []),
+    # the model's JSON strings broken (a bad escape, a raw newline) in a key, the name, string-held arguments
+    ('<tool_call>{"na\\qme": "now"}</tool_call>', '<tool_call>{"na\\qme": "now"}</tool_call>', []),
+    ('<tool_call>{"name": "no\\qw"}</tool_call>', '<tool_call>{"name": "no\\qw"}</tool_call>', []),
+    ('<tool_call>{"na\nme": "now"}</tool_call>', '<tool_call>{"na\nme": "now"}</tool_call>', []),
+    ('<tool_call>{"arguments": "\\q", "name": "now"}</tool_call>', '<tool_call>{"arguments": "\\q", "name": "now"}</tool_call>', []),
     ("  spaced answer \n", "  spaced answer \n", []),
 ]
 

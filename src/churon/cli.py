@@ -64,7 +64,7 @@ def cmd_run(args) -> int:
         raise ChuronError("no prompt: give one as an argument or on stdin")
     llm = _load(args)
     if args.raw or not llm.tokenizer.chat_template:
-        ids = llm.tokenizer.encode(prompt)
+        ids = llm.encode(prompt)  # refuses a prompt (stdin: a whole file) the context can never hold, untokenized
     else:
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + [{"role": "user", "content": prompt}]
         ids = llm.chat_prompt_ids(messages)

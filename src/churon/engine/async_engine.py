@@ -7,7 +7,7 @@ its KV blocks at once, or right after the step that is running.
 
 A request that fails alone (finish_reason "error": NaN logits, its grammar, its detokenizer) raises
 GenerationError in its own caller; only a step that fails as a whole (the model's forward raising)
-fails every request in it.
+fails every request, the waiting ones too: what a half-run step left in the engine is not known.
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ from churon.errors import ModelFileError
 from churon.formats.gguf import GGUFModel
 from churon.formats.gguf_writer import FILE_TYPES, GGUFModelWriter, TensorSpec
 from churon.formats.quants import quant_type, quantize
-from churon.loader import check_weights, open_model
+from churon.loader import open_model
 from churon.quantize.calibration import ActivationStats, calibrate_layerwise, calibration_windows, collect_stats
 from churon.quantize.mixed import FLOAT_TYPES, apply_keep, check_budget, default_type, parse_keep, spend_budget
 from churon.quantize.source import SourceTensors
@@ -135,7 +135,6 @@ def quantize_model(
     source = open_model(src)
     if isinstance(source, GGUFModel) and out.resolve() == Path(source.path).resolve():
         raise ValueError(f"{out}: the output would overwrite the source model")
-    check_weights(source)
     source.check_types()
     tensors = SourceTensors(source)
     c = source.config

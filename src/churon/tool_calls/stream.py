@@ -109,7 +109,7 @@ class _CallObject:
                 return
         if self.state == "key":
             if ch == '"' and not _escaped(self.key):
-                self.key = json.loads(f'"{self.key}"')
+                self.key = _string(f'"{self.key}"')
                 if self.keys == 0 and self.key not in _CALL_KEYS:
                     raise _NotACall(f"an object with key {self.key!r} is not a call")
                 self.keys += 1
@@ -143,7 +143,7 @@ class _CallObject:
         text = self.value.text
         self.state = "after_value"
         if self.key == "name":
-            name = json.loads(text) if text.startswith('"') else None
+            name = _string(text) if text.startswith('"') else None
             if name not in self.names:
                 raise _NotACall(f"{text} names none of the tools")
             self.name = name
@@ -155,7 +155,7 @@ class _CallObject:
                 self.streaming = False
             else:
                 if text.startswith('"'):  # the arguments object serialized into a string
-                    text = json.loads(text)
+                    text = _string(text)
                 if self.name is not None:
                     self._start(out)
                     _append_fragment(out, self.index, text)
@@ -174,6 +174,15 @@ class _CallObject:
             self._start(out)
             _append_fragment(out, self.index, "{}")
         self.state = "done"
+
+
+def _string(text: str) -> str:
+    """A JSON string's value; the model's own text, so a bad escape or a raw control character says it is
+    not a call rather than failing the response."""
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        raise _NotACall(f"not a JSON string: {e}") from e
 
 
 def _escaped(inside: str) -> bool:

@@ -33,6 +33,7 @@ async def create_message(body: MessagesRequest, request: Request, state: ServerS
     stops = body.stop_sequences or []
     state.limits.check_stop(stops, "stop_sequences")
     prompt = await build_prompt(llm, body)
+    state.limits.check_prompt_tokens(len(prompt.ids), "messages")
     try:
         params = SamplingParams(max_tokens=body.max_tokens, temperature=body.temperature, top_p=body.top_p,
                                 top_k=body.top_k, stop=stops, grammar=prompt.plan.grammar)

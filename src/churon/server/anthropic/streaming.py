@@ -56,7 +56,7 @@ async def message_events(generation: Generation, plan: ToolPlan, id: str, model:
             for event in blocks.close():
                 yield event
             output = delta.output
-            reason, sequence = render.stop_reason(output, blocks.tool_calls > 0, max_tokens, stop_sequences, tokenizer)
+            reason, sequence = render.stop_reason(output, bool(parser.completed), max_tokens, stop_sequences, tokenizer)
             yield {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
                    "usage": {"output_tokens": len(output.token_ids)}}
     yield {"type": "message_stop"}
@@ -69,7 +69,6 @@ class _Blocks:
     def __init__(self):
         self.index = -1
         self.open: str | None = None  # "text" or "tool_use"
-        self.tool_calls = 0
         self._tool_blocks: dict[int, int] = {}  # tool call index -> its block's index
 
     def feed(self, events: list) -> list[dict[str, Any]]:
@@ -84,7 +83,6 @@ class _Blocks:
             elif isinstance(e, ToolCallStart):
                 out += self._start("tool_use", render.tool_use_block(render.tool_use_id(e.id), e.name, {}))
                 self._tool_blocks[e.index] = self.index
-                self.tool_calls += 1
             elif isinstance(e, ToolCallArguments) and e.fragment:
                 out.append(self._delta(self._tool_blocks[e.index], {"type": "input_json_delta", "partial_json": e.fragment}))
         return out

@@ -134,8 +134,6 @@ async def _plan(llm, body: ResponsesRequest, messages: list[dict[str, Any]]) -> 
         else:
             param = re.sub(r"\[(\d+)\]", r".\1", e.param)
         raise APIError(400, str(e), param=param)
-    except ValueError as e:  # the chat template refused the conversation
-        raise APIError(400, str(e), param="input")
 
 
 def _sampling_params(body: ResponsesRequest, max_tokens: int, grammar: str | None) -> SamplingParams:
