@@ -118,3 +118,13 @@ def test_tokenizer_parses_special_tokens(llm):
 def test_invalid_threads():
     with pytest.raises(ValueError, match="threads"):
         LLM("unused", threads=0)
+
+
+def test_fingerprint_names_what_decides_the_arithmetic(tiny_llama_q8):
+    from churon import kernels
+
+    if kernels.cpu is None:
+        pytest.skip("the native kernels are not built")
+    assert LLM(tiny_llama_q8, threads=1).fingerprint == f"native-{kernels.cpu.isa()} threads=1 kv=float32"
+    assert LLM(tiny_llama_q8, threads=2, kv_dtype="float16").fingerprint.endswith("threads=2 kv=float16")
+    assert LLM(tiny_llama_q8, kernels="reference", threads=1).fingerprint == "reference threads=1 kv=float32"

@@ -66,6 +66,16 @@ class LLM:
         except ChatTemplateError:
             pass  # no template, or one that refuses this conversation: chat requests say so
 
+    @property
+    def fingerprint(self) -> str:
+        """What decides this process's arithmetic: outputs are bitwise reproducible between processes with
+        the same fingerprint (and model); another ISA rounds differently. Logged by churon serve at load, so
+        a run whose outputs differ can be traced to its configuration."""
+        backend = self.model.backend.name
+        if backend == "native":
+            backend += f"-{native_kernels.cpu.isa()}"
+        return f"{backend} threads={self.threads} kv={self.engine.cache.k.dtype}".replace("torch.", "")
+
     def _prompt_ids(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
             return self.encode(prompt)

@@ -43,7 +43,7 @@ class ServerState:
             self.admission.size_for(llm)
             self.llm = llm
             self.engine = AsyncLLMEngine(llm.engine)
-            log.info("model %s loaded; serving", self.model_name)
+            log.info("model %s loaded; serving (%s)", self.model_name, llm.fingerprint)
         except BaseException as e:  # reported by /health and to the caller, never lost in a thread
             self.load_error = e
             log.error("loading the model failed: %s", e)
