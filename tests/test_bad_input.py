@@ -493,3 +493,14 @@ def test_integer_weights_are_unsupported(tiny_llama_dir, tmp_path):
     save_file(weights, bad / "model.safetensors")
     with pytest.raises(UnsupportedModelError, match=r"model\.safetensors: tensor 'model\.layers\.0\.mlp\.up_proj\.weight' has type I32"):
         load_model(bad)
+
+
+@pytest.mark.parametrize("name", ["config.json", "tokenizer_config.json"])
+def test_an_unreadable_json_file_is_a_model_file_error(tiny_llama_dir, tmp_path, name):
+    """A directory where a JSON file belongs (or any OSError reading it) names the file, no traceback."""
+    bad = tmp_path / "m"
+    _hf_copy(tiny_llama_dir, bad)
+    (bad / name).unlink()
+    (bad / name).mkdir()
+    with pytest.raises(ModelFileError, match=f"{bad / name}: cannot read it"):
+        LLM(bad, threads=1)

@@ -655,3 +655,26 @@ def test_a_request_abandoned_in_the_queue_is_counted_as_an_abort(gguf):
         wait_for(lambda: metrics(url).get(aborted, 0) == before + 2)  # and the running one, when its client left
     finally:
         stop_server(proc)
+
+
+def test_a_non_ascii_api_key_matches_the_bytes_a_client_sends():
+    """Header values arrive as bytes; the key is compared as its UTF-8 bytes (once decoded as latin-1 and
+    re-encoded as UTF-8, no non-ASCII key could ever match)."""
+    from churon.server.metrics import ServerMetrics
+    from churon.server.middleware import RequestGuard
+
+    async def ok(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    key = "clé-ünïcode-42"
+    guard = RequestGuard(ok, metrics=ServerMetrics(), api_key=key, max_body_bytes=1 << 20)
+
+    async def main():
+        transport = httpx.ASGITransport(app=guard)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+            return [(await http.get("/v1/models", headers={name: value})).status_code for name, value in [
+                ("authorization", f"Bearer {key}".encode()), ("x-api-key", key.encode()),
+                ("x-api-key", "clé-ünïcode-43".encode()), ("x-api-key", key.encode("latin-1"))]]
+
+    assert asyncio.run(main()) == [200, 200, 401, 401]

@@ -31,6 +31,8 @@ def read_json(path: Path) -> Any:
         return json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ModelFileError(f"{path}: no such file") from None
+    except OSError as e:  # a directory, no permission, an I/O error: still the model file's fault, named
+        raise ModelFileError(f"{path}: cannot read it: {e}") from e
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ModelFileError(f"{path}: not valid JSON: {e}") from e
     except RecursionError:

@@ -76,9 +76,10 @@ class RequestGuard:
             await _error(counting_send, scope, 500, server_error_message(e), "server_error")
 
     def _authorized(self, scope: Scope) -> bool:
-        # OpenAI's clients send the key as a bearer token, Anthropic's as x-api-key: either opens every path
-        bearer = hmac.compare_digest((_header(scope, b"authorization") or "").encode(), f"Bearer {self.api_key}".encode())
-        x_api_key = hmac.compare_digest((_header(scope, b"x-api-key") or "").encode(), self.api_key.encode())
+        # OpenAI's clients send the key as a bearer token, Anthropic's as x-api-key: either opens every path.
+        # Compared as the bytes sent (latin-1 gives them back), against the key's UTF-8 bytes.
+        bearer = hmac.compare_digest((_header(scope, b"authorization") or "").encode("latin-1"), f"Bearer {self.api_key}".encode())
+        x_api_key = hmac.compare_digest((_header(scope, b"x-api-key") or "").encode("latin-1"), self.api_key.encode())
         return bearer or x_api_key
 
     def _too_large_message(self) -> str:

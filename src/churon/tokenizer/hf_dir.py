@@ -4,7 +4,6 @@ chat_template.json or tokenizer_config.json's)."""
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
@@ -12,6 +11,7 @@ from typing import Any
 from tokenizers import Tokenizer as HFTokenizer
 
 from churon.errors import ModelFileError
+from churon.formats.hf import read_json_object
 from churon.tokenizer.core import Tokenizer
 from churon.tokenizer.gguf_vocab import EOG_TOKEN_TEXTS
 
@@ -103,14 +103,5 @@ def from_hf_dir(path: str | os.PathLike) -> Tokenizer:
 
 
 def _read_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise ModelFileError(f"{path}: not valid JSON: {e}") from e
-    except RecursionError:
-        raise ModelFileError(f"{path}: not valid JSON: nested too deeply") from None
-    if not isinstance(data, dict):
-        raise ModelFileError(f"{path}: expected a JSON object")
-    return data
+    """An optional JSON object file of the directory: {} when it is absent."""
+    return read_json_object(path) if path.exists() else {}
