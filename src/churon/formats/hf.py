@@ -144,7 +144,8 @@ class HFModel:
             weight_map = read_json_object(index).get("weight_map")
             if not isinstance(weight_map, dict):
                 raise ModelFileError(f"{index}: field 'weight_map' is missing or not an object")
-            shards = [self._shard_path(index, name) for name in dict.fromkeys(weight_map.values())]
+            # each name checked before it is hashed into the de-duplicated list (a list value is not hashable)
+            shards = list(dict.fromkeys(self._shard_path(index, name) for name in weight_map.values()))
         else:
             shards = sorted(self.path.glob("*.safetensors"))
         if not shards:
