@@ -5,6 +5,7 @@ texts, seeded samples, logprobs recomputed from a full forward pass.
 """
 
 import asyncio
+import contextlib
 import json
 import logging
 import re
@@ -51,6 +52,17 @@ def start_server(model_path, *flags: str):
         time.sleep(0.2)
     proc.kill()
     raise RuntimeError("server did not become ready")
+
+
+@contextlib.asynccontextmanager
+async def loaded_client(app):
+    """An in-process client of app (its lifespan run, so the model loads), once /health says it is loaded."""
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as http:
+            while (await http.get("/health")).status_code != 200:
+                await asyncio.sleep(0.05)
+            yield http
 
 
 def stop_server(proc) -> None:

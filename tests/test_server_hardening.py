@@ -23,7 +23,7 @@ import pytest
 from churon import LLM, SamplingParams
 from churon.server import create_app
 from churon.server.serve import make_server
-from test_server import MODEL, free_port, metrics, start_server, stop_server, wait_for
+from test_server import MODEL, free_port, loaded_client, metrics, start_server, stop_server, wait_for
 from tiny_models import CHAT_TEMPLATE, make_hf_model, write_gguf
 
 MESSAGES = [{"role": "user", "content": "hello there"}]
@@ -108,14 +108,10 @@ def test_the_default_queue_limit_is_the_kv_caches_blocks(gguf):
     app = create_app(lambda: llm, MODEL)
 
     async def main():
-        async with app.router.lifespan_context(app):
-            transport = httpx.ASGITransport(app=app)
-            async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as http:
-                while (await http.get("/health")).status_code != 200:
-                    await asyncio.sleep(0.05)
-                over = await http.post("/v1/completions", json={"prompt": "hi", "n": blocks + 1, "max_tokens": 1})
-                within = await http.post("/v1/completions", json={"prompt": "hi", "n": blocks, "max_tokens": 1})
-                return over, within
+        async with loaded_client(app) as http:
+            over = await http.post("/v1/completions", json={"prompt": "hi", "n": blocks + 1, "max_tokens": 1})
+            within = await http.post("/v1/completions", json={"prompt": "hi", "n": blocks, "max_tokens": 1})
+            return over, within
 
     over, within = asyncio.run(main())
     assert app.state.server.admission.max_queue == blocks
@@ -514,14 +510,10 @@ def test_a_draining_server_admits_nothing_new(gguf):
     app = create_app(lambda: LLM(gguf, threads=1), MODEL)
 
     async def main():
-        async with app.router.lifespan_context(app):
-            transport = httpx.ASGITransport(app=app)
-            async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as http:
-                while (await http.get("/health")).status_code != 200:
-                    await asyncio.sleep(0.05)
-                app.state.server.drain.begin(60)
-                return [await http.get("/health"), await http.post("/v1/completions", json={"prompt": "hi"}),
-                        await http.post("/v1/messages", json={"model": MODEL, "max_tokens": 2, "messages": MESSAGES})]
+        async with loaded_client(app) as http:
+            app.state.server.drain.begin(60)
+            return [await http.get("/health"), await http.post("/v1/completions", json={"prompt": "hi"}),
+                    await http.post("/v1/messages", json={"model": MODEL, "max_tokens": 2, "messages": MESSAGES})]
 
     health, completion, message = asyncio.run(main())
     for r in (health, completion):  # a load balancer's probe sees it too, and stops sending
@@ -575,19 +567,15 @@ def test_a_request_that_fails_alone_is_an_error_in_each_dialects_shape(gguf, mon
     responses_body = {"input": MESSAGES[0]["content"], "max_output_tokens": 8, "temperature": 0}
 
     async def main():
-        async with app.router.lifespan_context(app):
-            transport = httpx.ASGITransport(app=app)
-            async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as http:
-                while (await http.get("/health")).status_code != 200:
-                    await asyncio.sleep(0.05)
-                monkeypatch.setattr(llm.model.backend, "embedding", poisoned)
-                out = [await http.post("/v1/messages", json=anthropic_body),
-                       await http.post("/v1/messages", json={**anthropic_body, "stream": True}),
-                       await http.post("/v1/responses", json=responses_body),
-                       await http.post("/v1/responses", json={**responses_body, "stream": True})]
-                monkeypatch.setattr(llm.model.backend, "embedding", real)
-                out.append(await http.post("/v1/messages", json=anthropic_body))
-                return out
+        async with loaded_client(app) as http:
+            monkeypatch.setattr(llm.model.backend, "embedding", poisoned)
+            out = [await http.post("/v1/messages", json=anthropic_body),
+                   await http.post("/v1/messages", json={**anthropic_body, "stream": True}),
+                   await http.post("/v1/responses", json=responses_body),
+                   await http.post("/v1/responses", json={**responses_body, "stream": True})]
+            monkeypatch.setattr(llm.model.backend, "embedding", real)
+            out.append(await http.post("/v1/messages", json=anthropic_body))
+            return out
 
     whole, stream, response, response_stream, after = asyncio.run(main())
     assert whole.status_code == 500
