@@ -29,12 +29,19 @@ The raw API (all tensors float32 and C-contiguous unless said; pointers are ints
                    k_cache_ptr, v_cache_ptr, slot_mapping_ptr, row_stride=0, kv_dtype="float32",
                    k_scale_ptr=0, v_scale_ptr=0)                     # int8: scales float32 [slots, kv_heads]
                                                                      # rope q,k in place; k,v -> cache
+    layer_norm(x_ptr, residual_ptr, weight_ptr, bias_ptr, out_ptr, m, n, eps)   # LayerNorm(x + residual) * w + b,
+                                                                     # residual_ptr 0: none; inputs not written
+    gelu(x_ptr, out_ptr, n, approximate="none")                      # "none" (erf) or "tanh"
     swiglu(gate_up_ptr, out_ptr, m, n)
     softmax(x_ptr, out_ptr, m, n)
     attention_decode(q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr, out_ptr,
                      num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale,
                      max_blocks_per_seq, q_stride=0, kv_dtype="float32",  # float32/float16/bfloat16/int8
                      k_scale_ptr=0, v_scale_ptr=0)
+    attention_packed(qkv_ptr, seq_starts_ptr, out_ptr, tokens, n_seqs, heads, head_dim, scale,
+                     row_stride=0)                                   # encoder attention over packed sequences:
+                                                                     # q, k, v = qkv columns [0,H) [H,2H) [2H,3H);
+                                                                     # seq_starts int64 [n_seqs + 1]; out [tokens, H]
     read_bytes(ptr, nbytes, repeat=1)                                # memory-bandwidth probe
     pool_stats(reset=False) -> [jobs, items, caller_items, wait_ns, long_waits, solo_jobs]
 

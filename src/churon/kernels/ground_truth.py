@@ -8,6 +8,8 @@ kernels are held against an implementation that shares nothing with them.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -110,6 +112,45 @@ def add_rms_norm(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, 
     """(residual + x, rms_norm(residual + x)); the kernel updates residual in place."""
     r = residual + x
     return r, rms_norm(r, weight, eps)
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+    """(x - mean) / sqrt(var + eps) * weight + bias over the last dimension (biased variance), in x's dtype."""
+    mean = x.mean(-1, keepdim=True)
+    var = (x - mean).pow(2).mean(-1, keepdim=True)
+    return (x - mean) / torch.sqrt(var + eps) * weight.to(x.dtype) + bias.to(x.dtype)
+
+
+def add_layer_norm(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                   eps: float) -> torch.Tensor:
+    """layer_norm(residual + x); the kernel leaves both inputs as they are."""
+    return layer_norm(residual + x, weight, bias, eps)
+
+
+def gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    """x * Phi(x) = x / 2 * (1 + erf(x / sqrt 2)), or with approximate="tanh"
+    x / 2 * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 x^3))), in x's dtype (float64 for an exact reference)."""
+    if approximate == "tanh":
+        return 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x.pow(3))))
+    return 0.5 * x * (1 + torch.erf(x / math.sqrt(2)))
+
+
+def attention_packed(qkv: torch.Tensor, heads: int, head_dim: int, seq_starts: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """softmax(q k^T * scale) v per sequence and head, every row over all the rows of its own sequence.
+
+    qkv [tokens, >= 3H], H = heads * head_dim, holds q, k, v in columns [0, H), [H, 2H), [2H, 3H); seq_starts
+    [n_seqs + 1] = 0, len0, len0 + len1, ..., tokens. Returns [tokens, H] in qkv's dtype.
+    """
+    width = heads * head_dim
+    out = torch.zeros(qkv.shape[0], width, dtype=qkv.dtype)
+    starts = seq_starts.tolist()
+    for a, b in zip(starts, starts[1:]):
+        q, k, v = (qkv[a:b, i * width : (i + 1) * width].reshape(b - a, heads, head_dim).transpose(0, 1)
+                   for i in range(3))
+        p = torch.softmax(q @ k.transpose(1, 2) * scale, dim=-1)  # [heads, len, len]
+        out[a:b] = (p @ v).transpose(0, 1).reshape(b - a, width)
+    return out
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -46,6 +46,22 @@ def _out(out: torch.Tensor | None, shape: tuple[int, ...], name: str = "out") ->
     return out
 
 
+def check_seq_starts(seq_starts: torch.Tensor, tokens: int) -> None:
+    """seq_starts of sequences packed back to back: int64 [n_seqs + 1], 0, then never decreasing, ending at
+    tokens (an empty sequence owns no rows). Raises ValueError naming what is wrong."""
+    if seq_starts.dtype != torch.int64 or seq_starts.dim() != 1 or seq_starts.numel() < 1:
+        raise ValueError(f"seq_starts must be a 1-D int64 tensor [n_seqs + 1], got {seq_starts.dtype} "
+                         f"{tuple(seq_starts.shape)}")
+    if int(seq_starts[0]) != 0 or int(seq_starts[-1]) != tokens:
+        raise ValueError(f"seq_starts must run from 0 to the {tokens} tokens, got {int(seq_starts[0])} .. "
+                         f"{int(seq_starts[-1])}")
+    steps = seq_starts[1:] - seq_starts[:-1]
+    if steps.numel() and int(steps.min()) < 0:
+        i = int(torch.nonzero(steps < 0)[0])
+        raise ValueError(f"seq_starts must not decrease: seq_starts[{i}] = {int(seq_starts[i])} > "
+                         f"seq_starts[{i + 1}] = {int(seq_starts[i + 1])}")
+
+
 class QuantizedMatrix:
     """A GGUF weight [rows, cols] held in the native repacked layout; `self(x)` is x @ W.T."""
 
@@ -107,6 +123,63 @@ def add_rms_norm(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, 
     out = _out(out, tuple(x.shape))
     _cpu().add_rms_norm(residual.data_ptr(), x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // n, n,
                         float(eps))
+    return out
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    return _layer_norm(None, x, weight, bias, eps, out)
+
+
+def add_layer_norm(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """layer_norm(residual + x); residual and x are not written (unless out is one of them)."""
+    _check(residual, "residual")
+    if x.shape != residual.shape:
+        raise ValueError(f"x {tuple(x.shape)} and residual {tuple(residual.shape)} differ in shape")
+    return _layer_norm(residual, x, weight, bias, eps, out)
+
+
+def _layer_norm(residual: torch.Tensor | None, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
+                out: torch.Tensor | None) -> torch.Tensor:
+    _check(x, "x")
+    _check(weight, "weight")
+    _check(bias, "bias")
+    n = x.shape[-1]
+    if weight.numel() != n or bias.numel() != n:
+        raise ValueError(f"weight ({weight.numel()}) and bias ({bias.numel()}) must have x's {n} features")
+    out = _out(out, tuple(x.shape))
+    _cpu().layer_norm(x.data_ptr(), residual.data_ptr() if residual is not None else 0, weight.data_ptr(),
+                      bias.data_ptr(), out.data_ptr(), x.numel() // n, n, float(eps))
+    return out
+
+
+def gelu(x: torch.Tensor, approximate: str = "none", out: torch.Tensor | None = None) -> torch.Tensor:
+    """torch.nn.functional.gelu: approximate "none" (erf) or "tanh"."""
+    _check(x, "x")
+    out = _out(out, tuple(x.shape))
+    _cpu().gelu(x.data_ptr(), out.data_ptr(), x.numel(), approximate)
+    return out
+
+
+def attention_packed(qkv: torch.Tensor, heads: int, head_dim: int, seq_starts: torch.Tensor, scale: float,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """Bidirectional attention of every row over its own sequence's rows, sequences packed back to back.
+
+    qkv float32 [tokens, >= 3H] (rows may be strided, columns not), H = heads * head_dim: q, k, v in its
+    columns [0, H), [H, 2H), [2H, 3H); seq_starts int64 [n_seqs + 1] (check_seq_starts). Returns [tokens, H].
+    """
+    if qkv.dtype != torch.float32 or qkv.device.type != "cpu" or qkv.dim() != 2 or qkv.stride(1) != 1:
+        raise ValueError("qkv must be a float32 CPU tensor [tokens, >= 3 * heads * head_dim] with unit column stride")
+    if heads < 1 or head_dim < 1 or qkv.shape[1] < 3 * heads * head_dim:
+        raise ValueError(f"qkv has {qkv.shape[1]} columns; {heads} heads of {head_dim} need 3 * {heads * head_dim}")
+    tokens = qkv.shape[0]
+    check_seq_starts(seq_starts, tokens)
+    seq_starts = seq_starts.contiguous()
+    out = _out(out, (tokens, heads * head_dim))
+    if tokens:
+        _cpu().attention_packed(qkv.data_ptr(), seq_starts.data_ptr(), out.data_ptr(), tokens, seq_starts.numel() - 1,
+                                heads, head_dim, float(scale), qkv.stride(0) if tokens > 1 else qkv.shape[1])
     return out
 
 

@@ -64,6 +64,27 @@ class Backend(Protocol):
         """residual += x (in place); returns rms_norm(residual)."""
         ...
 
+    def layer_norm(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor: ...
+
+    def add_layer_norm(self, residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                       eps: float) -> torch.Tensor:
+        """layer_norm(residual + x) as a new tensor; residual and x are left as they are (BERT's post-norm)."""
+        ...
+
+    def gelu(self, x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+        """torch.nn.functional.gelu: "none" the exact (erf) GELU, "tanh" its tanh approximation."""
+        ...
+
+    def attention_packed(self, qkv: torch.Tensor, heads: int, head_dim: int, seq_starts: torch.Tensor,
+                         scale: float) -> torch.Tensor:
+        """Bidirectional (encoder) attention over sequences packed back to back without padding.
+
+        qkv [tokens, >= 3H] float32, H = heads * head_dim (its row stride may exceed its width): q, k and v
+        are its columns [0, H), [H, 2H), [2H, 3H). seq_starts int64 [n_seqs + 1]: 0, len0, len0 + len1, ...,
+        tokens. Every token attends over all the tokens of its own sequence. Returns [tokens, H].
+        """
+        ...
+
     def rope_and_cache(self, qkv: torch.Tensor, shape: tuple[int, int, int], batch: ForwardBatch, cos: torch.Tensor,
                        sin: torch.Tensor, cache: KVCache, layer: int) -> torch.Tensor:
         """RoPE on q and k of qkv [tokens, (heads + 2 kv_heads) * head_dim]; k and v into the cache. Returns q."""

@@ -12,6 +12,7 @@ import torch
 from gguf import GGMLQuantizationType
 
 from churon import kernels
+from churon.kernels import ops
 from churon.formats.gguf import GGUFTensor
 from churon.model.backend import KVCache
 from churon.model.batch import ForwardBatch
@@ -87,6 +88,35 @@ class NativeBackend:
         out = torch.empty_like(x)
         self.cpu.add_rms_norm(residual.data_ptr(), x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // n, n, eps)
         return out
+
+    def layer_norm(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+        x = x.contiguous()
+        n = x.shape[-1]
+        out = torch.empty_like(x)
+        self.cpu.layer_norm(x.data_ptr(), 0, weight.data_ptr(), bias.data_ptr(), out.data_ptr(), x.numel() // n, n, eps)
+        return out
+
+    def add_layer_norm(self, residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                       eps: float) -> torch.Tensor:
+        """layer_norm(residual + x) as a new tensor, in one pass; residual and x are left as they are."""
+        residual, x = residual.contiguous(), x.contiguous()
+        n = x.shape[-1]
+        out = torch.empty_like(x)
+        self.cpu.layer_norm(x.data_ptr(), residual.data_ptr(), weight.data_ptr(), bias.data_ptr(), out.data_ptr(),
+                            x.numel() // n, n, eps)
+        return out
+
+    def gelu(self, x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        self.cpu.gelu(x.data_ptr(), out.data_ptr(), x.numel(), approximate)
+        return out
+
+    def attention_packed(self, qkv: torch.Tensor, heads: int, head_dim: int, seq_starts: torch.Tensor,
+                         scale: float) -> torch.Tensor:
+        """Every row over its own sequence's rows (q, k, v read in place from qkv's columns), bitwise the same
+        whatever else is packed with it and whatever the thread count."""
+        return ops.attention_packed(qkv, heads, head_dim, seq_starts, scale)
 
     def rope_and_cache(self, qkv: torch.Tensor, shape: tuple[int, int, int], batch: ForwardBatch, cos: torch.Tensor,
                        sin: torch.Tensor, cache: KVCache, layer: int) -> torch.Tensor:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from churon.kernels.ops import check_seq_starts
 from churon.model.backend import KVCache
 from churon.model.batch import ForwardBatch, slots_of
 from churon.model.weights import RawWeight, dense
@@ -46,6 +47,31 @@ class ReferenceBackend:
         """residual += x (in place); returns rms_norm(residual)."""
         residual.add_(x)
         return self.rms_norm(residual, weight, eps)
+
+    def layer_norm(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+        return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+
+    def add_layer_norm(self, residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                       eps: float) -> torch.Tensor:
+        """layer_norm(residual + x) as a new tensor; residual and x are left as they are."""
+        return self.layer_norm(residual + x, weight, bias, eps)
+
+    def gelu(self, x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+        return F.gelu(x, approximate=approximate)
+
+    def attention_packed(self, qkv: torch.Tensor, heads: int, head_dim: int, seq_starts: torch.Tensor,
+                         scale: float) -> torch.Tensor:
+        """Bidirectional attention of every token over its own sequence's tokens; q, k, v are the column
+        ranges [0, H), [H, 2H), [2H, 3H) of qkv [tokens, >= 3H], H = heads * head_dim. Returns [tokens, H]."""
+        width = heads * head_dim
+        check_seq_starts(seq_starts, qkv.shape[0])
+        out = torch.empty(qkv.shape[0], width, dtype=qkv.dtype)
+        starts = seq_starts.tolist()
+        for a, b in zip(starts, starts[1:]):
+            q, k, v = (qkv[a:b, i * width : (i + 1) * width].reshape(b - a, heads, head_dim).transpose(0, 1)
+                       for i in range(3))
+            out[a:b] = F.scaled_dot_product_attention(q, k, v, scale=scale).transpose(0, 1).reshape(b - a, width)
+        return out
 
     def rope(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotate-half RoPE of x [tokens, heads, head_dim]."""

@@ -109,6 +109,28 @@ struct AttnArgs {
   float* partial;            // [num_seqs, num_heads, max_parts, head_dim + 2]: o[head_dim], max, sum
 };
 
+// Encoder attention over sequences packed back to back (attention_packed): every query row of a
+// sequence against all of that sequence's rows. A task is one head of one block of at most
+// kPackedQueryBlock query rows of one sequence; tasks are numbered block-major, then head.
+constexpr int64_t kPackedQueryBlock = 64;
+
+struct PackedAttnArgs {
+  const float* qkv;           // [tokens, row_stride]: q, k, v of head h at columns h*hd, H + h*hd, 2H + h*hd
+  int64_t row_stride;
+  const int64_t* seq_starts;  // [n_seqs + 1]
+  const int64_t* block_seq;   // [n_blocks]: the sequence of each query block
+  const int64_t* block_row;   // [n_blocks]: its first query row
+  float* out;                 // [tokens, H]
+  int64_t heads, head_dim;    // H = heads * head_dim
+  float scale;
+};
+
+// floats of attn_packed's per-thread scratch for sequences of at most max_len rows
+static inline int64_t packed_attn_scratch_floats(int64_t max_len, int64_t head_dim) {
+  const int64_t lp = (max_len + 15) / 16 * 16, dp = (head_dim + 15) / 16 * 16;
+  return dp * lp + lp * dp + 8 * lp + 8 * dp + 64;
+}
+
 // Everything an ISA provides. Row/group ranges let the caller split work across threads;
 // each kernel computes any one row the same way whatever range it is called with.
 struct KernelTable {
@@ -127,12 +149,19 @@ struct KernelTable {
                        int64_t r1, int64_t n, float eps);
   void (*rope)(float* x, int64_t r0, int64_t r1, int64_t n_heads, int64_t head_dim,
                int64_t row_stride, const int64_t* pos, const float* cos, const float* sin);
+  // out = LayerNorm(x (+ res when res is not null)) * w + b, rows [r0, r1); out may be x
+  void (*layer_norm)(const float* x, const float* res, const float* w, const float* b, float* out, int64_t r0,
+                     int64_t r1, int64_t n, float eps);
+  // GELU of elements [i0, i1): erf (tanh false) or its tanh approximation; out may be x
+  void (*gelu)(const float* x, float* out, int64_t i0, int64_t i1, bool tanh);
   void (*swiglu)(const float* gu, float* out, int64_t r0, int64_t r1, int64_t n);
   void (*softmax)(const float* x, float* out, int64_t r0, int64_t r1, int64_t n);
   // attention tasks [t0, t1) of (seq, partition); then combine (seq, head) [t0, t1)
   // scratch: attn_scratch_floats(a) floats private to the calling thread
   void (*attn_partial)(const AttnArgs& a, int64_t t0, int64_t t1, float* scratch);
   void (*attn_combine)(const AttnArgs& a, int64_t t0, int64_t t1);
+  // packed encoder attention tasks [t0, t1); scratch: packed_attn_scratch_floats floats of the thread
+  void (*attn_packed)(const PackedAttnArgs& a, int64_t t0, int64_t t1, float* scratch);
   // read n bytes (a bandwidth probe); returns a value depending on all of them
   uint64_t (*read_bytes)(const uint8_t* p, int64_t n);
   // dst[i] = src[i] as float16 (bf16 false) or bfloat16, round to nearest even

@@ -331,13 +331,23 @@ void float_rows(const QWeights& w, const float* x, int64_t m0, float* y, const f
 constexpr int kFloatTile = 1;
 #endif
 
+// Activation rows a block of about kFloatBlockBytes at a time, every weight row of the range over each
+// block: the block stays in L1 / L2 (x streamed once per weight row made a 2048-token MiniLM layer 3x
+// slower than torch). A tile of kFloatTile rows and a single row compute each output the same way, so
+// where the blocks and tiles fall changes no result.
+constexpr int64_t kFloatBlockBytes = 32 << 10;
+
 template <int QT>
 void gemm_f(const QWeights& w, const float* x, int64_t m, float* y, const float* bias, int64_t g0, int64_t g1) {
   const int64_t r1 = imin(w.rows, g1 * kGroupRows);
-  for (int64_t r = g0 * kGroupRows; r < r1; ++r) {
-    int64_t m0 = 0;
-    for (; m0 + kFloatTile <= m; m0 += kFloatTile) float_rows<QT, kFloatTile>(w, x, m0, y, bias, r);
-    for (; m0 < m; ++m0) float_rows<QT, 1>(w, x, m0, y, bias, r);
+  const int64_t block = imax<int64_t>(kFloatTile, kFloatBlockBytes / (4 * w.cols) / kFloatTile * kFloatTile);
+  for (int64_t b0 = 0; b0 < m; b0 += block) {
+    const int64_t b1 = imin(m, b0 + block);
+    for (int64_t r = g0 * kGroupRows; r < r1; ++r) {
+      int64_t m0 = b0;
+      for (; m0 + kFloatTile <= b1; m0 += kFloatTile) float_rows<QT, kFloatTile>(w, x, m0, y, bias, r);
+      for (; m0 < b1; ++m0) float_rows<QT, 1>(w, x, m0, y, bias, r);
+    }
   }
 }
 
@@ -360,41 +370,72 @@ void gemm(const QWeights& w, const ActQ& a, const float* x, int64_t m, float* y,
 // ===========================================================================
 // Elementwise / row ops
 
-// sum of squares with a fixed order per row
-inline float sum_sq(const float* x, int64_t n) {
+// sum of (x - c)^2 with a fixed order per row (c = 0: RMSNorm, the mean: LayerNorm's variance)
+inline float sum_sq(const float* x, int64_t n, float c) {
 #if defined(K_SIMD)
   using namespace simd;
+  const V vc = set1(c);
   V a0 = zero(), a1 = a0;
   int64_t k = 0;
   for (; k + 2 * kW <= n; k += 2 * kW) {
-    const V v0 = loadu(x + k), v1 = loadu(x + k + kW);
+    const V v0 = sub(loadu(x + k), vc), v1 = sub(loadu(x + k + kW), vc);
     a0 = fmadd(v0, v0, a0);
     a1 = fmadd(v1, v1, a1);
   }
 #if defined(K_MASK)
   for (; k < n; k += kW) {
-    const V v = maskz_loadu(tail_mask(n - k), x + k);
-    a0 = fmadd(v, v, a0);
+    const Mask msk = tail_mask(n - k);
+    const V d = maskz_sub(msk, maskz_loadu(msk, x + k), vc);
+    a0 = fmadd(d, d, a0);
   }
   return reduce_add(add(a0, a1));
 #else
   float s = reduce_add(add(a0, a1));
-  for (; k < n; ++k) s = s + x[k] * x[k];
+  for (; k < n; ++k) s = s + (x[k] - c) * (x[k] - c);
   return s;
 #endif
 #else
   float a[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   int64_t k = 0;
   for (; k + 8 <= n; k += 8)
-    for (int i = 0; i < 8; ++i) a[i] = a[i] + x[k + i] * x[k + i];
+    for (int i = 0; i < 8; ++i) a[i] = a[i] + (x[k + i] - c) * (x[k + i] - c);
   float s = ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
-  for (; k < n; ++k) s = s + x[k] * x[k];
+  for (; k < n; ++k) s = s + (x[k] - c) * (x[k] - c);
+  return s;
+#endif
+}
+
+// sum of x with a fixed order per row
+inline float row_sum(const float* x, int64_t n) {
+#if defined(K_SIMD)
+  using namespace simd;
+  V a0 = zero(), a1 = a0;
+  int64_t k = 0;
+  for (; k + 2 * kW <= n; k += 2 * kW) {
+    a0 = add(a0, loadu(x + k));
+    a1 = add(a1, loadu(x + k + kW));
+  }
+#if defined(K_MASK)
+  for (; k < n; k += kW) a0 = add(a0, maskz_loadu(tail_mask(n - k), x + k));
+  return reduce_add(add(a0, a1));
+#else
+  float s = reduce_add(add(a0, a1));
+  for (; k < n; ++k) s = s + x[k];
+  return s;
+#endif
+#else
+  float a[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t k = 0;
+  for (; k + 8 <= n; k += 8)
+    for (int i = 0; i < 8; ++i) a[i] = a[i] + x[k + i];
+  float s = ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
+  for (; k < n; ++k) s = s + x[k];
   return s;
 #endif
 }
 
 inline void norm_row(const float* x, const float* w, float* out, int64_t n, float eps) {
-  const float r = 1.0f / std::sqrt(sum_sq(x, n) / float(n) + eps);
+  const float r = 1.0f / std::sqrt(sum_sq(x, n, 0.0f) / float(n) + eps);
   for (int64_t k = 0; k < n; ++k) out[k] = w[k] * (x[k] * r);  // torch: weight * (h * rsqrt)
 }
 
@@ -410,6 +451,61 @@ void add_rms_norm(float* res, const float* x, const float* w, float* out, int64_
     for (int64_t k = 0; k < n; ++k) rr[k] = rr[k] + xr[k];
     norm_row(rr, w, out + r * n, n, eps);
   }
+}
+
+// LayerNorm with the two-pass variance (the mean first, then the squares about it: no cancellation)
+void layer_norm(const float* x, const float* res, const float* w, const float* b, float* out, int64_t r0, int64_t r1,
+                int64_t n, float eps) {
+  for (int64_t r = r0; r < r1; ++r) {
+    const float* xr = x + r * n;
+    float* o = out + r * n;
+    if (res) {
+      const float* rr = res + r * n;
+      for (int64_t k = 0; k < n; ++k) o[k] = rr[k] + xr[k];
+      xr = o;
+    }
+    const float mean = row_sum(xr, n) / float(n);
+    const float rstd = 1.0f / std::sqrt(sum_sq(xr, n, mean) / float(n) + eps);
+    for (int64_t k = 0; k < n; ++k) o[k] = (xr[k] - mean) * rstd * w[k] + b[k];
+  }
+}
+
+#if defined(K_SIMD)
+// x / (1 + exp(-2u)) = x * 0.5 * (1 + tanh(u)), u = sqrt(2 / pi) * (x + 0.044715 x^3): no cancellation
+// for x < 0, and exp's clamp keeps it finite (-> x or -> 0) where tanh saturates
+inline simd::V gelu_tanh_v(simd::V x) {
+  using namespace simd;
+  const V m2u = mul(x, fmadd(mul(x, x), set1(-0.0713548162726f), set1(-1.5957691216057f)));
+  return div(x, add(set1(1.0f), exp(m2u)));
+}
+
+// x * 0.5 * (1 + erf(x / sqrt 2)), as x * 0.5 * erfc(-x / sqrt 2)
+inline simd::V gelu_erf_v(simd::V x) {
+  using namespace simd;
+  return mul(mul(x, set1(0.5f)), erfc(mul(x, set1(-0.707106781186547524f))));
+}
+#endif
+
+// Every element through the same vector function (a short tail padded to a whole vector), so
+// its result depends on its value alone, not on where it sits.
+void gelu(const float* x, float* out, int64_t i0, int64_t i1, bool tanh) {
+#if defined(K_SIMD)
+  using namespace simd;
+  int64_t i = i0;
+  for (; i + kW <= i1; i += kW) storeu(out + i, tanh ? gelu_tanh_v(loadu(x + i)) : gelu_erf_v(loadu(x + i)));
+  if (i < i1) {
+    float buf[kW] = {};
+    std::memcpy(buf, x + i, size_t(i1 - i) * 4);
+    storeu(buf, tanh ? gelu_tanh_v(loadu(buf)) : gelu_erf_v(loadu(buf)));
+    std::memcpy(out + i, buf, size_t(i1 - i) * 4);
+  }
+#else
+  for (int64_t i = i0; i < i1; ++i) {
+    const float v = x[i];
+    out[i] = tanh ? v / (1.0f + std::exp(v * (-1.5957691216057f + -0.0713548162726f * (v * v))))
+                  : v * 0.5f * std::erfc(v * -0.707106781186547524f);
+  }
+#endif
 }
 
 void rope(float* x, int64_t r0, int64_t r1, int64_t n_heads, int64_t head_dim, int64_t row_stride,
@@ -470,9 +566,20 @@ inline float exp_sub_sum(const float* x, float* p, int64_t n, float mx) {
   return sum;
 }
 
+// the largest of x[0..n) (the same value in any order: only NaNs, which poison a softmax anyway, could
+// come out differently from a scalar loop)
 inline float row_max(const float* x, int64_t n) {
   float mx = -INFINITY;
-  for (int64_t k = 0; k < n; ++k) mx = x[k] > mx ? x[k] : mx;
+  int64_t k = 0;
+#if defined(K_SIMD)
+  using namespace simd;
+  if (n >= kW) {
+    V m = loadu(x);
+    for (k = kW; k + kW <= n; k += kW) m = max(m, loadu(x + k));
+    mx = reduce_max(m);
+  }
+#endif
+  for (; k < n; ++k) mx = x[k] > mx ? x[k] : mx;
   return mx;
 }
 
@@ -664,6 +771,176 @@ void attn_combine(const AttnArgs& a, int64_t t0, int64_t t1) {
   }
 }
 
+// ---------------------------------------------------------------------------
+// Encoder attention over packed sequences. A task (one head of one query block) copies its
+// sequence's K of that head transposed, kt[d][j] (lp = len rounded up to 16 columns, zero past
+// len), and its V rows, vp[j][0..dp) (dp = head_dim rounded up to 16), into the thread's scratch;
+// then, query rows a tile at a time, the len scores of each row (one multiply-add per d in order,
+// keys across lanes), their softmax, and sum_j p_j v_j (j in order, dims across lanes), divided
+// by the sum. Which block, tile or thread a row is computed in changes nothing it computes.
+
+inline int64_t round16(int64_t n) { return (n + 15) / 16 * 16; }
+
+inline void pack_kv(const PackedAttnArgs& a, int64_t start, int64_t len, int64_t h, int64_t lp, int64_t dp, float* kt,
+                    float* vp) {
+  const int64_t hd = a.head_dim, H = a.heads * hd;
+  const float* k = a.qkv + start * a.row_stride + H + h * hd;
+  // one kt row at a time: its stores in sequence (stores a row apart each were a third of the kernel's time)
+  for (int64_t d = 0; d < hd; ++d) {
+    float* kd = kt + d * lp;
+    for (int64_t j = 0; j < len; ++j) kd[j] = k[j * a.row_stride + d];
+    for (int64_t j = len; j < lp; ++j) kd[j] = 0.0f;
+  }
+  for (int64_t j = 0; j < len; ++j) {
+    const float* v = k + j * a.row_stride + H;
+    for (int64_t d = 0; d < hd; ++d) vp[j * dp + d] = v[d];
+    for (int64_t d = hd; d < dp; ++d) vp[j * dp + d] = 0.0f;
+  }
+}
+
+// 1 / sum of exp(s - max) of each of the nq score rows (stride lp), which become exp(s - max)
+inline void softmax_rows(float* s, int64_t lp, int64_t len, int nq, float* inv) {
+  for (int i = 0; i < nq; ++i) {
+    float* si = s + i * lp;
+    inv[i] = 1.0f / exp_sub_sum(si, si, len, row_max(si, len));
+  }
+}
+
+#if defined(K_SIMD)
+constexpr int kPackedQ = 4;                       // query rows per tile
+constexpr int kPackedD = simd::kW == 16 ? 4 : 2;  // output vectors per tile (registers: kPackedQ * kPackedD)
+
+// scores of NQ query rows q[i] against keys j0 .. j0 + NK * kW (s: rows lp apart)
+template <int NQ, int NK>
+inline void score_tile(const float* const* q, const float* kt, int64_t lp, int64_t hd, int64_t j0, float scale,
+                       float* s) {
+  using namespace simd;
+  V acc[NQ][NK];
+  for (int i = 0; i < NQ; ++i)
+    for (int c = 0; c < NK; ++c) acc[i][c] = zero();
+  for (int64_t d = 0; d < hd; ++d) {
+    V k[NK];
+    for (int c = 0; c < NK; ++c) k[c] = loadu(kt + d * lp + j0 + c * kW);
+    for (int i = 0; i < NQ; ++i) {
+      const V qd = set1(q[i][d]);
+      for (int c = 0; c < NK; ++c) acc[i][c] = fmadd(qd, k[c], acc[i][c]);
+    }
+  }
+  const V vs = set1(scale);
+  for (int i = 0; i < NQ; ++i)
+    for (int c = 0; c < NK; ++c) storeu(s + i * lp + j0 + c * kW, mul(acc[i][c], vs));
+}
+
+// o[i][d0 .. d0 + ND * kW) = inv[i] * sum_j p[i][j] v[j] for NQ rows of probabilities p (rows lp apart)
+template <int NQ, int ND>
+inline void pv_tile(const float* p, int64_t lp, const float* vp, int64_t dp, int64_t len, int64_t d0,
+                    const float* inv, float* const* o) {
+  using namespace simd;
+  V acc[NQ][ND];
+  for (int i = 0; i < NQ; ++i)
+    for (int c = 0; c < ND; ++c) acc[i][c] = zero();
+  for (int64_t j = 0; j < len; ++j) {
+    V v[ND];
+    for (int c = 0; c < ND; ++c) v[c] = loadu(vp + j * dp + d0 + c * kW);
+    for (int i = 0; i < NQ; ++i) {
+      const V pj = set1(p[i * lp + j]);
+      for (int c = 0; c < ND; ++c) acc[i][c] = fmadd(pj, v[c], acc[i][c]);
+    }
+  }
+  for (int i = 0; i < NQ; ++i) {
+    const V vi = set1(inv[i]);
+    for (int c = 0; c < ND; ++c) storeu(o[i] + d0 + c * kW, mul(acc[i][c], vi));
+  }
+}
+
+template <int NQ, int ND>
+inline void pv_tile_upto(int nd, const float* p, int64_t lp, const float* vp, int64_t dp, int64_t len, int64_t d0,
+                         const float* inv, float* const* o) {
+  if constexpr (ND >= 1) {
+    if (nd == ND)
+      pv_tile<NQ, ND>(p, lp, vp, dp, len, d0, inv, o);
+    else
+      pv_tile_upto<NQ, ND - 1>(nd, p, lp, vp, dp, len, d0, inv, o);
+  }
+}
+
+// query rows r0 .. r0 + NQ of head h (head_dim a multiple of kW)
+template <int NQ>
+void packed_tile(const PackedAttnArgs& a, const float* kt, const float* vp, float* s, int64_t lp, int64_t dp,
+                 int64_t len, int64_t r0, int64_t h) {
+  using namespace simd;
+  const int64_t hd = a.head_dim;
+  const float* q[NQ];
+  float* o[NQ];
+  for (int i = 0; i < NQ; ++i) {
+    q[i] = a.qkv + (r0 + i) * a.row_stride + h * hd;
+    o[i] = a.out + (r0 + i) * a.heads * hd + h * hd;
+  }
+  int64_t j0 = 0;
+  for (; j0 + 2 * kW <= lp; j0 += 2 * kW) score_tile<NQ, 2>(q, kt, lp, hd, j0, a.scale, s);
+  for (; j0 < lp; j0 += kW) score_tile<NQ, 1>(q, kt, lp, hd, j0, a.scale, s);
+  float inv[NQ];
+  softmax_rows(s, lp, len, NQ, inv);
+  for (int64_t d0 = 0; d0 < hd; d0 += kPackedD * kW)
+    pv_tile_upto<NQ, kPackedD>(int(imin<int64_t>(kPackedD, (hd - d0) / kW)), s, lp, vp, dp, len, d0, inv, o);
+}
+
+template <int NQ>
+inline void packed_tile_upto(int nq, const PackedAttnArgs& a, const float* kt, const float* vp, float* s, int64_t lp,
+                             int64_t dp, int64_t len, int64_t r0, int64_t h) {
+  if constexpr (NQ >= 1) {
+    if (nq == NQ)
+      packed_tile<NQ>(a, kt, vp, s, lp, dp, len, r0, h);
+    else
+      packed_tile_upto<NQ - 1>(nq, a, kt, vp, s, lp, dp, len, r0, h);
+  }
+}
+#endif
+
+// query rows [r0, r1) of head h one at a time, any head_dim
+void packed_rows_generic(const PackedAttnArgs& a, const float* kt, const float* vp, float* s, float* acc, int64_t lp,
+                         int64_t dp, int64_t len, int64_t r0, int64_t r1, int64_t h) {
+  const int64_t hd = a.head_dim;
+  for (int64_t r = r0; r < r1; ++r) {
+    const float* q = a.qkv + r * a.row_stride + h * hd;
+    for (int64_t j = 0; j < len; ++j) s[j] = 0.0f;
+    for (int64_t d = 0; d < hd; ++d)
+      for (int64_t j = 0; j < len; ++j) s[j] = s[j] + q[d] * kt[d * lp + j];
+    for (int64_t j = 0; j < len; ++j) s[j] = s[j] * a.scale;
+    float inv;
+    softmax_rows(s, lp, len, 1, &inv);
+    for (int64_t d = 0; d < hd; ++d) acc[d] = 0.0f;
+    for (int64_t j = 0; j < len; ++j)
+      for (int64_t d = 0; d < hd; ++d) acc[d] = acc[d] + s[j] * vp[j * dp + d];
+    float* o = a.out + r * a.heads * hd + h * hd;
+    for (int64_t d = 0; d < hd; ++d) o[d] = acc[d] * inv;
+  }
+}
+
+void attn_packed(const PackedAttnArgs& a, int64_t t0, int64_t t1, float* scratch) {
+  const int64_t hd = a.head_dim;
+  for (int64_t task = t0; task < t1; ++task) {
+    const int64_t blk = task / a.heads, h = task % a.heads;
+    const int64_t seq = a.block_seq[blk];
+    const int64_t start = a.seq_starts[seq], len = a.seq_starts[seq + 1] - start;
+    const int64_t r0 = a.block_row[blk], r1 = imin(r0 + kPackedQueryBlock, start + len);
+    const int64_t lp = round16(len), dp = round16(hd);
+    float* kt = scratch;        // [hd][lp]
+    float* vp = kt + dp * lp;   // [len][dp]
+    float* s = vp + lp * dp;    // [8][lp] score rows
+    float* acc = s + 8 * lp;    // [dp]
+    pack_kv(a, start, len, h, lp, dp, kt, vp);
+#if defined(K_SIMD)
+    if (hd % simd::kW == 0) {
+      for (int64_t r = r0; r < r1; r += kPackedQ)
+        packed_tile_upto<kPackedQ>(int(imin<int64_t>(kPackedQ, r1 - r)), a, kt, vp, s, lp, dp, len, r, h);
+      continue;
+    }
+#endif
+    packed_rows_generic(a, kt, vp, s, acc, lp, dp, len, r0, r1, h);
+  }
+}
+
 // dst[i] = src[i] as float16 (bf16 = false) or bfloat16, bit for bit as fp32_to_fp16 / fp32_to_bf16
 void to_half(const float* src, uint16_t* dst, int64_t n, bool bf16) {
   int64_t i = 0;
@@ -715,7 +992,8 @@ uint64_t read_bytes(const uint8_t* p, int64_t n) {
 const KernelTable* table() {
   static const KernelTable t = {
       CHURON_STR(CHURON_ISA), quantize_act, gemm, dequant_rows, dequant_rows_bf16,
-      rms_norm, add_rms_norm, rope, swiglu, softmax, attn_partial, attn_combine, read_bytes, to_half,
+      rms_norm, add_rms_norm, rope, layer_norm, gelu, swiglu, softmax, attn_partial, attn_combine, attn_packed,
+      read_bytes, to_half,
   };
   return &t;
 }

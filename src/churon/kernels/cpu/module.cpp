@@ -64,6 +64,12 @@ PYBIND11_MODULE(_cpu, m) {
         " of token i written to the paged caches at slot slot_mapping[i] (int64, negative: skipped), converted"
         " to kv_dtype ('float32', 'float16', 'bfloat16': round to nearest even; 'int8': per (slot, kv head)"
         " scale amax / 127 written to the float32 k_scale / v_scale arrays [slots, num_kv_heads]).");
+  m.def("layer_norm", &layer_norm, py::arg("x_ptr"), py::arg("residual_ptr"), py::arg("weight_ptr"),
+        py::arg("bias_ptr"), py::arg("out_ptr"), py::arg("m"), py::arg("n"), py::arg("eps"),
+        "out[m, n] = LayerNorm(x + residual) * weight + bias (residual_ptr 0: LayerNorm(x)); float32; x and"
+        " residual are not written unless out is one of them.");
+  m.def("gelu", &gelu, py::arg("x_ptr"), py::arg("out_ptr"), py::arg("n"), py::arg("approximate") = "none",
+        "out[n] = GELU(x), float32; approximate 'none' (erf, as torch) or 'tanh'; out may be x.");
   m.def("swiglu", &swiglu, py::arg("gate_up_ptr"), py::arg("out_ptr"), py::arg("m"), py::arg("n"),
         "out[m, n] = silu(gate) * up, gate_up float32 [m, 2n].");
   m.def("softmax", &softmax, py::arg("x_ptr"), py::arg("out_ptr"), py::arg("m"), py::arg("n"),
@@ -77,6 +83,14 @@ PYBIND11_MODULE(_cpu, m) {
         " of kv_dtype ('float32', 'float16', 'bfloat16', 'int8' with float32 scales [slots, num_kv_heads]); block_table int32 [num_seqs, max_blocks_per_seq],"
         " seq_lens int32 [num_seqs]; out float32 [num_seqs, num_heads * head_dim]; q rows q_stride floats"
         " apart (0: packed).");
+  m.def("attention_packed", &attention_packed, py::arg("qkv_ptr"), py::arg("seq_starts_ptr"), py::arg("out_ptr"),
+        py::arg("tokens"), py::arg("n_seqs"), py::arg("heads"), py::arg("head_dim"), py::arg("scale"),
+        py::arg("row_stride") = 0,
+        "Bidirectional attention over sequences packed back to back: qkv float32 rows [tokens] row_stride"
+        " floats apart (0: 3 * heads * head_dim) holding q, k, v in columns [0, H), [H, 2H), [2H, 3H), H ="
+        " heads * head_dim; seq_starts int64 [n_seqs + 1] (0, len0, len0 + len1, ..., tokens); out float32"
+        " [tokens, H]. Each row's result is the same whatever else is packed with it and whatever the"
+        " thread count.");
   m.def("read_bytes", &read_bytes, py::arg("ptr"), py::arg("nbytes"), py::arg("repeat") = 1,
         "Read memory with all threads (a bandwidth probe for benchmarks).");
 

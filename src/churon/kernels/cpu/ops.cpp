@@ -62,6 +62,9 @@ constexpr int64_t kAttnPartTokens = 64;
 
 // attention partials and per-thread scratch (calls are serialized by the GIL)
 Buffer g_attn_buf;
+Buffer g_packed_buf;  // attention_packed: its blocks, then per-thread scratch
+
+constexpr int64_t kGeluChunk = 1 << 13;  // values per parallel GELU item
 
 }  // namespace
 
@@ -135,6 +138,36 @@ void rope_and_cache(uintptr_t qkvp, int64_t m, int64_t num_heads, int64_t num_kv
   });
 }
 
+void layer_norm(uintptr_t xp, uintptr_t rp, uintptr_t wp, uintptr_t bp, uintptr_t outp, int64_t m, int64_t n,
+                double eps) {
+  if (m <= 0 || n <= 0) return;
+  const float* x = ptr<const float>(xp, "layer_norm: x");
+  const float* res = rp ? ptr<const float>(rp, "layer_norm: residual") : nullptr;
+  const float* w = ptr<const float>(wp, "layer_norm: weight");
+  const float* b = ptr<const float>(bp, "layer_norm: bias");
+  float* out = ptr<float>(outp, "layer_norm: out");
+  const KernelTable* k = kt();
+  rows_op(m, n, [&](int64_t r0, int64_t r1) { k->layer_norm(x, res, w, b, out, r0, r1, n, float(eps)); });
+}
+
+void gelu(uintptr_t xp, uintptr_t outp, int64_t n, const std::string& approximate) {
+  if (approximate != "none" && approximate != "tanh")
+    throw std::invalid_argument("gelu: approximate must be 'none' or 'tanh', got '" + approximate + "'");
+  if (n <= 0) return;
+  const float* x = ptr<const float>(xp, "gelu: x");
+  float* out = ptr<float>(outp, "gelu: out");
+  const bool tanh = approximate == "tanh";
+  const KernelTable* k = kt();
+  if (n < kParallelElems) {
+    k->gelu(x, out, 0, n, tanh);
+    return;
+  }
+  const int64_t items = (n + kGeluChunk - 1) / kGeluChunk;
+  parallel_for(items, chunk_for(items), [&](int64_t b, int64_t e, int) {
+    k->gelu(x, out, b * kGeluChunk, std::min(n, e * kGeluChunk), tanh);
+  });
+}
+
 void swiglu(uintptr_t gup, uintptr_t outp, int64_t m, int64_t n) {
   if (m <= 0 || n <= 0) return;
   const float* gu = ptr<const float>(gup, "swiglu: gate_up");
@@ -204,6 +237,52 @@ void attention_decode(uintptr_t qp, uintptr_t kp, uintptr_t vp, uintptr_t btp, u
     parallel_for(nout, chunk_for(nout), [&](int64_t b, int64_t e, int) { k->attn_combine(a, b, e); });
   else
     k->attn_combine(a, 0, nout);
+}
+
+void attention_packed(uintptr_t qkvp, uintptr_t startsp, uintptr_t outp, int64_t tokens, int64_t n_seqs,
+                      int64_t heads, int64_t head_dim, double scale, int64_t row_stride) {
+  if (heads <= 0 || head_dim <= 0) throw std::invalid_argument("attention_packed: heads and head_dim must be positive");
+  if (n_seqs < 0 || tokens < 0) throw std::invalid_argument("attention_packed: n_seqs and tokens must not be negative");
+  if (row_stride == 0) row_stride = 3 * heads * head_dim;
+  if (row_stride < 3 * heads * head_dim)
+    throw std::invalid_argument("attention_packed: row_stride " + std::to_string(row_stride) +
+                                " is less than 3 * heads * head_dim = " + std::to_string(3 * heads * head_dim));
+  const int64_t* starts = ptr<const int64_t>(startsp, "attention_packed: seq_starts");
+  if (starts[0] != 0 || starts[n_seqs] != tokens)
+    throw std::invalid_argument("attention_packed: seq_starts must run from 0 to tokens = " + std::to_string(tokens));
+  int64_t n_blocks = 0, max_len = 0;
+  for (int64_t s = 0; s < n_seqs; ++s) {
+    const int64_t len = starts[s + 1] - starts[s];
+    if (len < 0)
+      throw std::invalid_argument("attention_packed: seq_starts decreases at index " + std::to_string(s + 1));
+    n_blocks += (len + kPackedQueryBlock - 1) / kPackedQueryBlock;
+    max_len = std::max(max_len, len);
+  }
+  if (n_blocks == 0) return;
+  PackedAttnArgs a;
+  a.qkv = ptr<const float>(qkvp, "attention_packed: qkv");
+  a.out = ptr<float>(outp, "attention_packed: out");
+  a.row_stride = row_stride;
+  a.seq_starts = starts;
+  a.heads = heads;
+  a.head_dim = head_dim;
+  a.scale = float(scale);
+  const int64_t per_thread = (packed_attn_scratch_floats(max_len, head_dim) + 15) / 16 * 16;
+  const int64_t block_words = (2 * n_blocks + 15) / 16 * 16;
+  g_packed_buf.reserve(size_t(block_words * 8 + per_thread * 4 * get_num_threads()) + 64);
+  int64_t* block_seq = reinterpret_cast<int64_t*>(g_packed_buf.p);
+  int64_t* block_row = block_seq + n_blocks;
+  float* scratch = reinterpret_cast<float*>(block_seq + block_words);
+  for (int64_t s = 0, b = 0; s < n_seqs; ++s)
+    for (int64_t r = starts[s]; r < starts[s + 1]; r += kPackedQueryBlock, ++b) {
+      block_seq[b] = s;
+      block_row[b] = r;
+    }
+  a.block_seq = block_seq;
+  a.block_row = block_row;
+  const KernelTable* k = kt();
+  parallel_for(n_blocks * heads, 1,
+               [&](int64_t b, int64_t e, int tid) { k->attn_packed(a, b, e, scratch + tid * per_thread); });
 }
 
 uint64_t read_bytes(uintptr_t p, int64_t nbytes, int64_t repeat) {

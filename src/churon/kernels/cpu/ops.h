@@ -20,6 +20,12 @@ void rope_and_cache(uintptr_t qkvp, int64_t m, int64_t num_heads, int64_t num_kv
                     uintptr_t posp, uintptr_t cosp, uintptr_t sinp, uintptr_t kcp, uintptr_t vcp, uintptr_t slotp,
                     int64_t row_stride, const std::string& kv_dtype, uintptr_t ksp, uintptr_t vsp);
 
+// out[m, n] = LayerNorm(x (+ residual)) * weight + bias; residual_ptr 0: none. Inputs are not written.
+void layer_norm(uintptr_t xp, uintptr_t rp, uintptr_t wp, uintptr_t bp, uintptr_t outp, int64_t m, int64_t n,
+                double eps);
+// out[i] = GELU(x[i]) for n values; approximate "none" (erf) or "tanh"
+void gelu(uintptr_t xp, uintptr_t outp, int64_t n, const std::string& approximate);
+
 void swiglu(uintptr_t gup, uintptr_t outp, int64_t m, int64_t n);
 void softmax(uintptr_t xp, uintptr_t outp, int64_t m, int64_t n);
 
@@ -27,6 +33,11 @@ void attention_decode(uintptr_t qp, uintptr_t kp, uintptr_t vp, uintptr_t btp, u
                       int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                       int64_t block_size, double scale, int64_t max_blocks, int64_t q_stride,
                       const std::string& kv_dtype, uintptr_t ksp, uintptr_t vsp);
+
+// bidirectional attention of every row of qkv [tokens, row_stride] over the rows of its own sequence,
+// sequences packed back to back (seq_starts int64 [n_seqs + 1]: 0, ..., tokens); out [tokens, heads * head_dim]
+void attention_packed(uintptr_t qkvp, uintptr_t startsp, uintptr_t outp, int64_t tokens, int64_t n_seqs,
+                      int64_t heads, int64_t head_dim, double scale, int64_t row_stride);
 
 // bandwidth probe for benchmarks: read nbytes at ptr with all threads, `repeat` times
 uint64_t read_bytes(uintptr_t p, int64_t nbytes, int64_t repeat);
