@@ -288,8 +288,8 @@ def test_smollm_digits_ids(trained_bpe):
 
 def test_gguf_errors(trained_bpe):
     meta = gguf_metadata_from_hf(trained_bpe)
-    with pytest.raises(UnsupportedModelError, match="'bert'.*known"):
-        from_gguf({**meta, "tokenizer.ggml.model": "bert"})
+    with pytest.raises(UnsupportedModelError, match="'t5'.*known"):
+        from_gguf({**meta, "tokenizer.ggml.model": "t5"})
     with pytest.raises(UnsupportedModelError, match="'no-such-pre'.*known:.*smollm"):
         from_gguf({**meta, "tokenizer.ggml.pre": "no-such-pre"})
     with pytest.raises(ModelFileError, match="tokenizer.ggml.tokens"):

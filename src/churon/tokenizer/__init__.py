@@ -2,7 +2,8 @@
 template, and the detokenizer that streams a request's text and finds its stop strings.
 
     core.py           Tokenizer: encode, decode, token bytes, apply_chat_template
-    gguf_vocab.py     from_gguf: llama.cpp's tokenizer from GGUF metadata (pre-tokenizers, EOG ids, SPM merges)
+    gguf_vocab.py     from_gguf: llama.cpp's tokenizer from GGUF metadata (pre-tokenizers, EOG ids, SPM merges,
+                      BERT's WordPiece)
     hf_dir.py         from_hf_dir: tokenizer.json and its companion files
     chat_template.py  sandboxed jinja2 templates
     detokenizer.py    Detokenizer: incremental text and stop strings in one update()

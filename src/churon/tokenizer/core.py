@@ -38,6 +38,7 @@ class Tokenizer:
         eog_ids: frozenset[int],
         add_bos: bool,
         chat_template: str | None,
+        add_eos: bool = False,
         piece_bytes: list[bytes] | None = None,
         special_ids: frozenset[int] = frozenset(),
         strip_leading_space: bool = False,
@@ -51,6 +52,7 @@ class Tokenizer:
         self.eos_id = eos_id
         self.eog_ids = eog_ids
         self.add_bos = add_bos
+        self.add_eos = add_eos  # an encoder's tokenizer ends every text with its EOS (BERT: [SEP])
         self.chat_template = chat_template
         # GGUF only: the bytes of every token, the ids dropped by skip_special_tokens, and
         # whether decoding drops the space SentencePiece put in front of the text.
@@ -116,12 +118,17 @@ class Tokenizer:
 
     # --- encode / decode --------------------------------------------------------------
 
-    def encode(self, text: str, add_bos: bool | None = None, parse_special: bool = True) -> list[int]:
+    def encode(
+        self, text: str, add_bos: bool | None = None, add_eos: bool | None = None, *, parse_special: bool = True
+    ) -> list[int]:
         """Token ids of `text`.
 
         add_bos: None adds BOS when the model asks for it (`self.add_bos`); True/False force it.
         BOS is never added twice: text that already starts with the BOS token (e.g. a rendered
         chat template with parse_special) keeps the one it has.
+        add_eos: None appends EOS when the model asks for it (`self.add_eos`: BERT's [SEP]); True/False
+        force it. It is appended even after text that ends with it, as Hugging Face's post-processor
+        and llama.cpp do.
         parse_special: the text of control tokens (e.g. "<|im_start|>") becomes their id;
         False tokenizes it as plain text. User-defined added tokens are matched either way.
         """
@@ -137,6 +144,12 @@ class Tokenizer:
                 raise ModelFileError(f"{self._source}: add_bos requested but the model has no BOS token")
             if not ids or ids[0] != self.bos_id:
                 ids.insert(0, self.bos_id)
+        if add_eos is None:
+            add_eos = self.add_eos
+        if add_eos:
+            if self.eos_id is None:
+                raise ModelFileError(f"{self._source}: add_eos requested but the model has no EOS token")
+            ids.append(self.eos_id)
         return ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True, at_start: bool = True) -> str:

@@ -11,6 +11,11 @@
                                tokenizer.ggml.add_space_prefix, the whole piece merged at
                                once with the merge whose result has the best score, unknown
                                characters as <0xXX> byte tokens.
+  tokenizer.ggml.model "bert"  WordPiece (llama.cpp's WPM): the vocabulary convert_hf_to_gguf.py
+                               wrote in "phantom space" form ("▁x" starts a word, "x"
+                               continues one) mapped back to BERT's "##" form, then
+                               Hugging Face's BertNormalizer, BertPreTokenizer and WordPiece;
+                               every text is wrapped in [CLS] ... [SEP].
 
 Control, unknown and user-defined tokens (tokenizer.ggml.token_type 3, 2, 4) are added
 tokens: with parse_special=True the text "<|im_start|>" becomes its one id; with
@@ -112,11 +117,13 @@ def from_gguf(metadata: dict[str, Any], source: str = "<gguf>") -> Tokenizer:
     model = metadata.get("tokenizer.ggml.model")
     if model is None:
         raise ModelFileError(f"{source}: no tokenizer.ggml.model in the metadata")
-    if model not in ("gpt2", "llama"):
+    if model not in ("gpt2", "llama", "bert"):
         raise UnsupportedModelError(
-            f"{source}: tokenizer.ggml.model = {model!r} is not supported (known: 'gpt2', 'llama')"
+            f"{source}: tokenizer.ggml.model = {model!r} is not supported (known: 'gpt2', 'llama', 'bert')"
         )
     tokens, types, vocab = _vocabulary(metadata, source)
+    if model == "bert":
+        return _wordpiece(metadata, tokens, types, vocab, source)
     n = len(tokens)
     if model == "gpt2":
         hf, add_bos_default = _byte_level_bpe(metadata, vocab, source)
@@ -128,23 +135,12 @@ def from_gguf(metadata: dict[str, Any], source: str = "<gguf>") -> Tokenizer:
         default_bos, default_eos = (1 if n > 1 else None), (2 if n > 2 else None)
     _add_special_tokens(hf, tokens, types, vocab, source)
 
-    def token_id(key: str, default: int | None) -> int | None:
-        v = metadata.get(key)
-        if v is None:
-            return default
-        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or not 0 <= v < n:
-            warnings.warn(f"{source}: {key} = {v!r} is not a token id (the vocabulary has {n} tokens); ignored")
-            return default
-        return int(v)
-
-    bos_id = token_id("tokenizer.ggml.bos_token_id", default_bos)
-    eos_id = token_id("tokenizer.ggml.eos_token_id", default_eos)
-    eot_id = token_id("tokenizer.ggml.eot_token_id", None)
-    eom_id = token_id("tokenizer.ggml.eom_token_id", None)
-    add_bos = _add_bos(metadata, add_bos_default, bos_id, source)
-    template = metadata.get("tokenizer.chat_template")
-    if template is not None and not isinstance(template, str):
-        raise ModelFileError(f"{source}: tokenizer.chat_template is not a string")
+    bos_id = _token_id(metadata, "tokenizer.ggml.bos_token_id", default_bos, n, source)
+    eos_id = _token_id(metadata, "tokenizer.ggml.eos_token_id", default_eos, n, source)
+    eot_id = _token_id(metadata, "tokenizer.ggml.eot_token_id", None, n, source)
+    eom_id = _token_id(metadata, "tokenizer.ggml.eom_token_id", None, n, source)
+    add_bos = _add_special(metadata, "bos", add_bos_default, bos_id, source)
+    add_eos = _add_special(metadata, "eos", False, eos_id, source)
     return Tokenizer(
         hf,
         source=source,
@@ -152,11 +148,30 @@ def from_gguf(metadata: dict[str, Any], source: str = "<gguf>") -> Tokenizer:
         eos_id=eos_id,
         eog_ids=_eog_ids(vocab, (eos_id, eot_id, eom_id)),
         add_bos=add_bos,
-        chat_template=template,
+        add_eos=add_eos,
+        chat_template=_chat_template(metadata, source),
         piece_bytes=_piece_bytes(tokens, types, byte_level=model == "gpt2"),
         special_ids=frozenset(i for i in range(n) if types[i] in (TOKEN_CONTROL, TOKEN_UNKNOWN)),
         strip_leading_space=strip_leading_space,
     )
+
+
+def _token_id(metadata: dict[str, Any], key: str, default: int | None, n: int, source: str) -> int | None:
+    """A special token's id, or default when the key is absent; llama.cpp ignores a bad one with a warning."""
+    v = metadata.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral) or not 0 <= v < n:
+        warnings.warn(f"{source}: {key} = {v!r} is not a token id (the vocabulary has {n} tokens); ignored")
+        return default
+    return int(v)
+
+
+def _chat_template(metadata: dict[str, Any], source: str) -> str | None:
+    template = metadata.get("tokenizer.chat_template")
+    if template is not None and not isinstance(template, str):
+        raise ModelFileError(f"{source}: tokenizer.chat_template is not a string")
+    return template
 
 
 def _vocabulary(metadata: dict[str, Any], source: str) -> tuple[list[str], list[int], dict[str, int]]:
@@ -267,6 +282,93 @@ def _sentencepiece_bpe(metadata: dict[str, Any], tokens: list[str], types: list[
     return hf, add_space_prefix
 
 
+# llama.cpp's ids for BERT's special tokens when the file names none (llama_vocab::impl::load, "bert")
+_BERT_CLS, _BERT_SEP, _BERT_UNK = 101, 102, 100
+_BERT_MAX_WORD_CHARS = 100  # Hugging Face's max_input_chars_per_word: a longer word is one [UNK]
+
+
+def _wordpiece(metadata: dict[str, Any], tokens: list[str], types: list[int], vocab: dict[str, int],
+               source: str) -> Tokenizer:
+    """The "bert" model: BERT's WordPiece as Hugging Face's BertTokenizer runs it, with the special tokens
+    llama.cpp's WPM tokenizer puts around every text: BOS ([CLS]) first and the separator ([SEP]) last."""
+    n = len(tokens)
+    # A file names [CLS] as BOS (gguf's SpecialVocab; cls_token_id in older files), [SEP] as the separator.
+    cls_key = "tokenizer.ggml.bos_token_id"
+    if cls_key not in metadata and "tokenizer.ggml.cls_token_id" in metadata:
+        cls_key = "tokenizer.ggml.cls_token_id"
+    cls_id = _bert_special(metadata, cls_key, _BERT_CLS, "[CLS]", n, source)
+    sep_id = _bert_special(metadata, "tokenizer.ggml.seperator_token_id", _BERT_SEP, "[SEP]", n, source)
+    unk_id = _bert_special(metadata, "tokenizer.ggml.unknown_token_id", _BERT_UNK, "[UNK]", n, source)
+    # llama.cpp lower-cases (and strips accents) unless the file says otherwise, as uncased BERT does
+    lowercase = _bool(metadata, "tokenizer.ggml.normalizer.lowercase", True, source)
+    strip_accents = _bool(metadata, "tokenizer.ggml.normalizer.strip_accents", lowercase, source)
+
+    pieces = [_from_phantom_space(t, ty) for t, ty in zip(tokens, types)]
+    wordpiece_vocab: dict[str, int] = {}
+    for i, piece in enumerate(pieces):
+        if piece in wordpiece_vocab:
+            raise ModelFileError(
+                f"{source}: tokenizer.ggml.tokens {tokens[wordpiece_vocab[piece]]!r} (id {wordpiece_vocab[piece]})"
+                f" and {tokens[i]!r} (id {i}) are the same WordPiece token {piece!r}"
+            )
+        wordpiece_vocab[piece] = i
+    hf = HFTokenizer(models.WordPiece(
+        vocab=wordpiece_vocab, unk_token=pieces[unk_id], continuing_subword_prefix="##",
+        max_input_chars_per_word=_BERT_MAX_WORD_CHARS,
+    ))
+    hf.normalizer = normalizers.BertNormalizer(
+        clean_text=True, handle_chinese_chars=True, strip_accents=strip_accents, lowercase=lowercase
+    )
+    hf.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    hf.decoder = decoders.WordPiece(prefix="##", cleanup=True)
+    _add_special_tokens(hf, pieces, types, wordpiece_vocab, source)
+    eos_id = _token_id(metadata, "tokenizer.ggml.eos_token_id", None, n, source)
+    return Tokenizer(
+        hf,
+        source=source,
+        bos_id=cls_id,
+        eos_id=sep_id,
+        eog_ids=_eog_ids(vocab, (eos_id,)),
+        add_bos=True,  # llama.cpp's WPM tokenizer adds both whatever the add_*_token flags say
+        add_eos=True,
+        chat_template=_chat_template(metadata, source),
+    )
+
+
+def _from_phantom_space(token: str, token_type: int) -> str:
+    """A token of the GGUF vocabulary in BERT's spelling: convert_hf_to_gguf.py's BertModel.set_vocab writes
+    "x" as "▁x" and "##x" as "x", and keeps control tokens (older converters: any "[X]") as they are."""
+    if token_type in (TOKEN_CONTROL, TOKEN_UNKNOWN):
+        return token
+    if token.startswith(SPM_SPACE) and len(token) > 1:
+        return token[1:]
+    if token.startswith("[") and token.endswith("]"):
+        return token
+    return "##" + token
+
+
+def _bert_special(metadata: dict[str, Any], key: str, default: int, what: str, n: int, source: str) -> int:
+    """The id of a special token the WordPiece tokenizer cannot do without."""
+    v = metadata.get(key)
+    if v is None:
+        if default >= n:
+            raise ModelFileError(
+                f"{source}: no {key} for the {what} token, and llama.cpp's default id {default} is not in the"
+                f" {n}-token vocabulary"
+            )
+        return default
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral) or not 0 <= v < n:
+        raise ModelFileError(f"{source}: {key} = {v!r:.80} is not a token id (the vocabulary has {n} tokens)")
+    return int(v)
+
+
+def _bool(metadata: dict[str, Any], key: str, default: bool, source: str) -> bool:
+    value = metadata.get(key, default)
+    if not isinstance(value, bool):
+        raise ModelFileError(f"{source}: {key} = {value!r:.80} is not a bool")
+    return value
+
+
 def _add_special_tokens(hf: HFTokenizer, tokens: list[str], types: list[int], vocab: dict[str, int], source: str) -> None:
     """Control and unknown tokens are special (parse_special decides); user-defined are always matched."""
     added = []
@@ -315,16 +417,16 @@ def _eog_ids(vocab: dict[str, int], named_ids: tuple[int | None, ...]) -> frozen
     return frozenset(eog)
 
 
-def _add_bos(metadata: dict[str, Any], default: bool, bos_id: int | None, source: str) -> bool:
-    """Whether encoding puts a BOS first: tokenizer.ggml.add_bos_token, else llama.cpp's default for the model."""
-    add_bos = metadata.get("tokenizer.ggml.add_bos_token", default)
-    if not isinstance(add_bos, bool):
-        raise ModelFileError(f"{source}: tokenizer.ggml.add_bos_token = {add_bos!r} is not a bool")
-    if add_bos and bos_id is None:
-        raise ModelFileError(
-            f"{source}: tokenizer.ggml.add_bos_token is true but tokenizer.ggml.bos_token_id is not set"
-        )
-    return add_bos
+def _add_special(metadata: dict[str, Any], which: str, default: bool, token_id: int | None, source: str) -> bool:
+    """Whether encoding puts a BOS first / an EOS last (which: "bos" / "eos"): tokenizer.ggml.add_bos_token /
+    add_eos_token, else llama.cpp's default for the model."""
+    key = f"tokenizer.ggml.add_{which}_token"
+    add = metadata.get(key, default)
+    if not isinstance(add, bool):
+        raise ModelFileError(f"{source}: {key} = {add!r} is not a bool")
+    if add and token_id is None:
+        raise ModelFileError(f"{source}: {key} is true but tokenizer.ggml.{which}_token_id is not set")
+    return add
 
 
 def _spm_merges(tokens: list[str], scores: list[float], vocab: dict[str, int]) -> list[tuple[str, str]]:

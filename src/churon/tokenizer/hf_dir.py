@@ -1,6 +1,9 @@
 """A tokenizer from a Hugging Face model directory: tokenizer.json, with tokenizer_config.json and
 generation_config.json for the special tokens, and the chat template (chat_template.jinja,
-chat_template.json or tokenizer_config.json's)."""
+chat_template.json or tokenizer_config.json's).
+
+What encoding puts around a text comes from tokenizer.json's post-processor, as Hugging Face's
+`tokenizer(text)` does: Llama's BOS in front, BERT's [CLS] in front and [SEP] after."""
 
 from __future__ import annotations
 
@@ -26,6 +29,10 @@ def from_hf_dir(path: str | os.PathLike) -> Tokenizer:
         hf = HFTokenizer.from_file(str(tj))
     except Exception as e:
         raise ModelFileError(f"{tj}: cannot be read by tokenizers: {e}") from e
+    # sentence-transformers saves its padding and truncation (to 128 tokens, MiniLM) in tokenizer.json;
+    # Hugging Face's tokenizer(text) applies neither unless asked, and cutting a text is the engine's job
+    hf.no_padding()
+    hf.no_truncation()
     config = _read_json(path / "tokenizer_config.json")
     gen = _read_json(path / "generation_config.json")
 
@@ -68,16 +75,15 @@ def from_hf_dir(path: str | os.PathLike) -> Tokenizer:
         if tok.special and tok.content in EOG_TOKEN_TEXTS:
             eog.add(tid)
 
-    add_bos = config.get("add_bos_token")
-    if not isinstance(add_bos, bool):
-        # tokenizer.json's post-processor is what adds BOS for most models: ask it
-        with_special = hf.encode("a", add_special_tokens=True).ids
-        without = hf.encode("a", add_special_tokens=False).ids
-        add_bos = (
-            bos_id is not None and with_special[:1] == [bos_id] and without[:1] != [bos_id]
-        )
-    if add_bos and bos_id is None:
-        raise ModelFileError(f"{path}: add_bos_token is true but no bos_token is defined")
+    # The post-processor's own special tokens (BERT's [CLS] / [SEP]) are BOS / EOS when the config names none;
+    # the end-of-generation ids above stay the ones the config names (an encoder never generates).
+    prefix, suffix = _post_processor_wrapping(hf)
+    if bos_id is None and len(prefix) == 1:
+        bos_id = prefix[0]
+    if eos_id is None and len(suffix) == 1:
+        eos_id = suffix[0]
+    add_bos = _add_flag(config, "add_bos_token", bos_id is not None and prefix[:1] == [bos_id], bos_id, path)
+    add_eos = _add_flag(config, "add_eos_token", eos_id is not None and suffix[-1:] == [eos_id], eos_id, path)
 
     template = None
     if (path / "chat_template.jinja").is_file():
@@ -98,8 +104,30 @@ def from_hf_dir(path: str | os.PathLike) -> Tokenizer:
         eos_id=eos_id,
         eog_ids=frozenset(eog),
         add_bos=add_bos,
+        add_eos=add_eos,
         chat_template=template,
     )
+
+
+def _post_processor_wrapping(hf: HFTokenizer) -> tuple[list[int], list[int]]:
+    """The ids tokenizer.json's post-processor puts in front of and after a text's own ids."""
+    with_special = hf.encode("a", add_special_tokens=True).ids
+    without = hf.encode("a", add_special_tokens=False).ids
+    for start in range(len(with_special) - len(without) + 1):
+        if with_special[start : start + len(without)] == without:
+            return with_special[:start], with_special[start + len(without) :]
+    return [], []
+
+
+def _add_flag(config: dict[str, Any], key: str, found: bool, token_id: int | None, path: Path) -> bool:
+    """tokenizer_config.json's add_bos_token / add_eos_token, else what the post-processor was found to do."""
+    value = config.get(key)
+    if not isinstance(value, bool):
+        return found
+    if value and token_id is None:
+        what = key.removeprefix("add_")
+        raise ModelFileError(f"{path}: {key} is true but no {what} is defined")
+    return value
 
 
 def _read_json(path: Path) -> dict[str, Any]:
