@@ -39,3 +39,12 @@ def qwen_tools_gguf(tmp_path_factory):
 
     hf = make_hf_model("qwen2", tmp_path_factory.mktemp("qwen2-tools"), chat_template=QWEN_TOOLS_TEMPLATE, max_positions=2048)
     return write_gguf(hf, tmp_path_factory.mktemp("qwen2-tools-gguf") / "m.gguf", "Q8_0")
+
+
+@pytest.fixture(scope="session")
+def tiny_bert_dir(tmp_path_factory):
+    """A tiny random BERT as a sentence-transformers directory (mean pooling, normalized; tests that modify
+    it work on a copy)."""
+    from tiny_models import make_bert_model
+
+    return make_bert_model(tmp_path_factory.mktemp("tiny-bert"))

@@ -7,6 +7,8 @@ only here; churon never imports it.
     make_hf_model(arch, dir)             tiny random Llama / Qwen2 / Qwen3, saved with save_pretrained
     write_gguf(hf_dir, path, qtype)      converts that directory the way llama.cpp's convert_hf_to_gguf.py does
     reference_model(hf_dir, gguf_path)   the transformers model, optionally with the weights stored in the GGUF
+    make_bert_model(dir)                 tiny random BERT as a sentence-transformers directory (WordPiece tokenizer)
+    write_bert_gguf(hf_dir, path, qtype) converts it the way convert_hf_to_gguf.py's BertModel does
 
 The conversion follows convert_hf_to_gguf.py (TextModel.set_gguf_parameters, LlamaModel, Qwen2Model,
 Qwen3Model, TextModel.prepare_tensors, _set_vocab_gpt2): the same metadata keys, tensor names (through
@@ -649,3 +651,266 @@ def reference_model(hf_dir: Path, gguf_path: Path | None = None) -> torch.nn.Mod
     if missing:
         raise ValueError(f"{gguf_path}: no GGUF tensor for {missing}")
     return model
+
+
+# --------------------------------------------------------------------------------------------------
+# BERT (an encoder as a sentence-transformers directory, and its GGUF)
+# --------------------------------------------------------------------------------------------------
+
+BERT_MAX_POSITIONS = 128
+BERT_TYPE_VOCAB = 2
+BERT_LN_EPS = 1e-12
+BERT_SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")  # ids 0..4, as in bert-base's order of kinds
+# An uncased WordPiece vocabulary that covers whole words, ##-continuations, single letters (so every
+# lower-case word tokenizes without [UNK]), digits, punctuation and a few CJK characters (each one is
+# its own word after BertNormalizer's handle_chinese_chars).
+BERT_WORDS = (
+    "the", "an", "is", "it", "was", "in", "on", "of", "to", "and", "or", "not", "for", "with", "by",
+    "quick", "brown", "fox", "jump", "over", "lazy", "dog", "cat", "sat", "mat", "hello", "world",
+    "sea", "ship", "red", "sail", "town", "fish", "morning", "evening", "story", "child", "father",
+    "cafe", "naive", "resume", "un", "believ", "token", "model", "text", "embed", "search", "query",
+)
+BERT_PIECES = ("##believ", "##ing", "##ed", "##er", "##ly", "##able", "##ion", "##ation", "##ment", "##est", "##ness")
+BERT_CJK = ("中", "文", "日", "本", "語", "你", "好", "世", "界")
+BERT_PUNCT = tuple(".,!?;:'\"()[]{}-_/\\&%$#@*+=<>~`^|")
+BERT_POOLING_KEYS = {"mean": "pooling_mode_mean_tokens", "cls": "pooling_mode_cls_token", "last": "pooling_mode_lasttoken"}
+
+
+def bert_vocab() -> list[str]:
+    """The tiny BERT's vocabulary, id order (no duplicates)."""
+    letters = [chr(c) for c in range(ord("a"), ord("z") + 1)]
+    digits = [str(d) for d in range(10)]
+    vocab = [*BERT_SPECIAL_TOKENS, *BERT_PUNCT, *digits, *letters, *BERT_WORDS,
+             *(f"##{c}" for c in letters + digits), *BERT_PIECES, *BERT_CJK]
+    assert len(vocab) == len(set(vocab))
+    return vocab
+
+
+def make_bert_tokenizer_files(out_dir: Path, max_positions: int = BERT_MAX_POSITIONS) -> None:
+    """tokenizer.json (WordPiece, BertNormalizer, BertPreTokenizer, [CLS] $A [SEP]), vocab.txt,
+    tokenizer_config.json and special_tokens_map.json, laid out as bert-base-uncased ships them."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    vocab = bert_vocab()
+    ids = {t: i for i, t in enumerate(vocab)}
+    tok = Tokenizer(models.WordPiece(ids, unk_token="[UNK]", continuing_subword_prefix="##",
+                                     max_input_chars_per_word=100))
+    tok.normalizer = normalizers.BertNormalizer(clean_text=True, handle_chinese_chars=True,
+                                                strip_accents=None, lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", ids["[CLS]"]), ("[SEP]", ids["[SEP]"])])
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=True)
+    tok.add_special_tokens(list(BERT_SPECIAL_TOKENS))
+    tok.save(str(out_dir / "tokenizer.json"))
+    (out_dir / "vocab.txt").write_text("".join(t + "\n" for t in vocab), encoding="utf-8")
+    specials = {"unk_token": "[UNK]", "sep_token": "[SEP]", "pad_token": "[PAD]", "cls_token": "[CLS]",
+                "mask_token": "[MASK]"}
+    _write_json(out_dir / "special_tokens_map.json", specials)
+    _write_json(out_dir / "tokenizer_config.json", {
+        **specials, "do_lower_case": True, "do_basic_tokenize": True, "never_split": None,
+        "tokenize_chinese_chars": True, "strip_accents": None, "clean_up_tokenization_spaces": True,
+        "model_max_length": max_positions, "tokenizer_class": "BertTokenizer",
+    })
+
+
+def make_bert_model(
+    out_dir: Path,
+    *,
+    seed: int = 0,
+    normalize: bool = True,
+    pooling: str = "mean",
+    max_seq_length: int | None = 64,
+    max_positions: int = BERT_MAX_POSITIONS,
+    type_vocab_size: int = BERT_TYPE_VOCAB,
+    hidden_act: str = "gelu",
+) -> Path:
+    """A tiny random fp32 BERT (hidden 64, 2 layers, 4 heads, intermediate 128) saved as a complete
+    sentence-transformers directory: config.json + model.safetensors (BertModel, weights without a
+    "bert." prefix, as all-MiniLM-L6-v2 ships them), the WordPiece tokenizer files, modules.json
+    (Transformer, Pooling, and Normalize when normalize), 1_Pooling/config.json in the classic
+    pooling_mode_* layout (pooling "mean" | "cls" | "last") and sentence_bert_config.json
+    (max_seq_length; None leaves it out). Loads in sentence_transformers.SentenceTransformer(out_dir)
+    and transformers.AutoModel. Returns out_dir."""
+    import transformers
+
+    if pooling not in BERT_POOLING_KEYS:
+        raise ValueError(f"unknown pooling {pooling!r}; expected one of {tuple(BERT_POOLING_KEYS)}")
+    out_dir = Path(out_dir)
+    make_bert_tokenizer_files(out_dir, max_positions)
+    transformers.utils.logging.disable_progress_bar()
+    config = transformers.BertConfig(
+        vocab_size=len(bert_vocab()),
+        hidden_size=HIDDEN,
+        num_hidden_layers=N_LAYERS,
+        num_attention_heads=N_HEADS,
+        intermediate_size=INTERMEDIATE,
+        hidden_act=hidden_act,
+        max_position_embeddings=max_positions,
+        type_vocab_size=type_vocab_size,
+        layer_norm_eps=BERT_LN_EPS,
+        pad_token_id=0,
+        position_embedding_type="absolute",
+    )
+    config.architectures = ["BertModel"]
+    config.dtype = "float32"
+    torch.manual_seed(seed)
+    model = transformers.BertModel(config, add_pooling_layer=True).to(torch.float32)
+    _randomize(model, seed)
+    model.eval().save_pretrained(out_dir, safe_serialization=True)
+
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+    ]
+    if normalize:  # the Normalize module has no files; all-MiniLM-L6-v2 ships no 2_Normalize folder either
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
+    (out_dir / "modules.json").write_text(json.dumps(modules, indent=2) + "\n", encoding="utf-8")
+    pooling_config = {"word_embedding_dimension": HIDDEN, **{key: mode == pooling for mode, key in BERT_POOLING_KEYS.items()},
+                      "pooling_mode_max_tokens": False, "pooling_mode_mean_sqrt_len_tokens": False,
+                      "pooling_mode_weightedmean_tokens": False, "include_prompt": True}
+    (out_dir / "1_Pooling").mkdir(exist_ok=True)
+    _write_json(out_dir / "1_Pooling" / "config.json", pooling_config)
+    sbert = {"do_lower_case": False}
+    if max_seq_length is not None:
+        sbert["max_seq_length"] = max_seq_length
+    _write_json(out_dir / "sentence_bert_config.json", sbert)
+    return out_dir
+
+
+def _bert_hf_tensor_name(name: str) -> str | None:
+    """BertModel.filter_tensors: drop the "bert." prefix, gamma/beta -> weight/bias, skip the pooler,
+    position_ids and the masked-LM / next-sentence heads (None)."""
+    name = name.removeprefix("bert.")
+    if name.endswith(".gamma"):
+        name = name[: -len(".gamma")] + ".weight"
+    if name.endswith(".beta"):
+        name = name[: -len(".beta")] + ".bias"
+    if name in ("embeddings.position_ids", "pooler.dense.weight", "pooler.dense.bias"):
+        return None
+    if name.startswith(("cls.predictions", "cls.seq_relationship")):
+        return None
+    return name
+
+
+def write_bert_gguf(hf_dir: Path, out_path: Path, qtype: str = "F32") -> Path:
+    """Convert a BERT sentence-transformers directory to GGUF like convert_hf_to_gguf.py's BertModel
+    (TextModel.set_gguf_parameters + causal_attention false + _try_set_pooling_type, set_vocab's phantom-
+    space WordPiece vocabulary and token_type_count, gguf.SpecialVocab, prepare_tensors' types: 1-D
+    tensors, norms, position_embd and token_types F32, the rest qtype with the F16 fallback).
+    tokenizer.ggml.pre is "default": the converter hashes the tokenizer's output on a fixed text and a
+    random tiny vocabulary matches no known hash (llama.cpp ignores pre for WordPiece). Returns out_path."""
+    import transformers
+
+    hf_dir, out_path = Path(hf_dir), Path(out_path)
+    if qtype not in QTYPES:
+        raise ValueError(f"unknown qtype {qtype!r}; expected one of {tuple(QTYPES)}")
+    data_qtype, ftype = QTYPES[qtype]
+    hparams = transformers.AutoConfig.from_pretrained(hf_dir).to_dict()
+    if hparams["model_type"] != "bert":
+        raise ValueError(f"{hf_dir}/config.json: model_type {hparams['model_type']!r} is not 'bert'")
+    n_blocks = hparams["num_hidden_layers"]
+    tensor_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.BERT, n_blocks)
+    writer = gguf.GGUFWriter(path=None, arch=gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.BERT])
+
+    always_f32 = (gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.POS_EMBD] + ".weight",
+                  gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.TOKEN_TYPES] + ".weight")
+    for hf_name, t in _read_safetensors(hf_dir):
+        name = _bert_hf_tensor_name(hf_name)
+        if name is None:
+            continue
+        new_name = tensor_map.get_name(name, try_suffixes=(".weight", ".bias"))
+        if new_name is None:
+            raise ValueError(f"{hf_dir}: cannot map tensor {hf_name!r} to a GGUF name")
+        data = t.to(torch.float32).numpy() if t.dtype not in (torch.float16, torch.float32) else t.numpy()
+        q = data_qtype
+        if data.ndim <= 1 or new_name.endswith("_norm.weight") or new_name in always_f32:
+            q = gguf.GGMLQuantizationType.F32
+        try:
+            qdata = gguf.quants.quantize(data, q)
+        except gguf.QuantError:  # llama.cpp: "falling back to F16"
+            q = gguf.GGMLQuantizationType.F16
+            qdata = gguf.quants.quantize(data, q)
+        writer.add_tensor(new_name, qdata, raw_dtype=q)
+
+    writer.add_type(gguf.GGUFType.MODEL)
+    writer.add_name("tiny-bert")
+    writer.add_block_count(n_blocks)
+    writer.add_context_length(hparams["max_position_embeddings"])
+    writer.add_embedding_length(hparams["hidden_size"])
+    writer.add_feed_forward_length(hparams["intermediate_size"])
+    writer.add_head_count(hparams["num_attention_heads"])
+    writer.add_layer_norm_eps(hparams["layer_norm_eps"])
+    writer.add_file_type(ftype)
+    writer.add_causal_attention(False)
+    if (pooling := _st_pooling_type(hf_dir)) is not None:
+        writer.add_pooling_type(pooling)
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    _set_vocab_bert(writer, hf_dir, hparams)
+
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    writer.write_header_to_file(path=out_path)
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out_path
+
+
+def _st_pooling_type(hf_dir: Path) -> gguf.PoolingType | None:
+    """TextModel._try_set_pooling_type: the first sentence_transformers.models.Pooling module's config."""
+    modules_file = hf_dir / "modules.json"
+    if not modules_file.is_file():
+        return None
+    modules = json.loads(modules_file.read_text(encoding="utf-8"))
+    path = next((m["path"] for m in modules if m["type"] == "sentence_transformers.models.Pooling"), None)
+    if path is None:
+        return None
+    pooling = json.loads((hf_dir / path / "config.json").read_text(encoding="utf-8"))
+    if pooling["pooling_mode_mean_tokens"]:
+        return gguf.PoolingType.MEAN
+    if pooling["pooling_mode_cls_token"]:
+        return gguf.PoolingType.CLS
+    if pooling["pooling_mode_lasttoken"]:
+        return gguf.PoolingType.LAST
+    raise NotImplementedError("Only MEAN, CLS, and LAST pooling types supported")
+
+
+def _set_vocab_bert(writer: gguf.GGUFWriter, hf_dir: Path, hparams: dict) -> None:
+    """BertModel.set_vocab over TextModel.get_vocab_base (AutoTokenizer's vocabulary, added special
+    tokens CONTROL), with tokenizer.ggml.pre "default" (see write_bert_gguf)."""
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dir)
+    vocab_size = hparams.get("vocab_size", len(tokenizer.vocab))
+    assert max(tokenizer.vocab.values()) < vocab_size
+    reverse_vocab = {i: t for t, i in tokenizer.vocab.items()}
+    added_vocab = tokenizer.get_added_vocab()
+    added_decoder = tokenizer.added_tokens_decoder
+    tokens: list[str] = []
+    toktypes: list[int] = []
+    for i in range(vocab_size):
+        if i not in reverse_vocab:
+            tokens.append(f"[PAD{i}]")
+            toktypes.append(gguf.TokenType.UNUSED)
+            continue
+        token = reverse_vocab[i]
+        if token in added_vocab:
+            toktypes.append(gguf.TokenType.CONTROL if added_decoder[i].special else gguf.TokenType.USER_DEFINED)
+        else:
+            toktypes.append(gguf.TokenType.NORMAL)
+        tokens.append(token)
+    writer.add_token_type_count(hparams.get("type_vocab_size", 1))
+
+    def phantom(tok: str, toktype: int) -> str:  # "##x" continues a word; any other piece starts one
+        if toktype == gguf.TokenType.CONTROL:
+            return tok
+        return tok[2:] if tok.startswith("##") else "\u2581" + tok
+
+    writer.add_tokenizer_model("bert")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list([phantom(t, k) for t, k in zip(tokens, toktypes)])
+    writer.add_token_types(toktypes)
+    gguf.SpecialVocab(hf_dir, n_vocab=len(tokens)).add_to_gguf(writer, quiet=True)

@@ -53,6 +53,42 @@ class ModelConfig:
     extra: dict[str, Any] = field(default_factory=dict)  # informational only (file type, name, ...)
 
 
+@dataclass
+class EncoderConfig:
+    """The architecture of a BERT-family encoder (bidirectional attention, absolute position and token-type
+    embeddings, post-LayerNorm, a GELU MLP, biases on every projection), whatever file it came from."""
+
+    architecture: str  # "bert"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    head_dim: int
+    context_length: int  # max_position_embeddings: rows of the position-embedding table
+    type_vocab_size: int  # rows of the token-type table (0 when the file has none)
+    layer_norm_eps: float
+    hidden_act: str = "gelu"  # "gelu" (erf) or "gelu_tanh" (the tanh approximation)
+    extra: dict[str, Any] = field(default_factory=dict)  # informational only (file type, name, ...)
+
+
+POOLING_MODES = ("mean", "cls", "last")
+
+
+@dataclass(frozen=True)
+class PoolingConfig:
+    """How a model's final hidden states become one vector per input (sentence-transformers' Pooling and
+    Normalize modules, GGUF's {arch}.pooling_type)."""
+
+    mode: str  # "mean" over the input's tokens, "cls" (its first token) or "last" (its last token)
+    normalize: bool  # L2-normalize the pooled vector
+    max_length: int | None = None  # sentence_bert_config.json's max_seq_length; None: the model's context
+
+    def __post_init__(self):
+        if self.mode not in POOLING_MODES:
+            raise ValueError(f"pooling {self.mode!r} is not supported (supported: {', '.join(POOLING_MODES)})")
+
+
 # Limits a model file's architecture fields are held to before anything is sized by them.
 MAX_LAYERS = 512  # llama.cpp's LLAMA_MAX_LAYERS
 # The longest context of a released Llama / Qwen model (Gradient's 4M Llama 3); the RoPE tables are this long.

@@ -24,11 +24,14 @@ from churon.config import (
     MAX_CONTEXT_LENGTH,
     MAX_LAYERS,
     ConfigReader,
+    EncoderConfig,
     ModelConfig,
+    PoolingConfig,
     check_architecture,
     check_config,
 )
 from churon.errors import ModelFileError, UnsupportedModelError
+from churon.formats import bert
 from churon.formats.quants import SUPPORTED_TYPES
 from churon.formats.tensor_info import TensorInfo
 
@@ -310,6 +313,10 @@ _BLOCK_NAMES = {
 _FILE_NAMES = {v: k for k, v in _GLOBAL_NAMES.items()}
 _BLOCK_FILE_NAMES = {v: k for k, v in _BLOCK_NAMES.items()}
 
+# llama.cpp's enum llama_pooling_type, as {arch}.pooling_type stores it: 0 none, 1 mean, 2 cls, 3 last, 4 rank
+POOLING_TYPES = {1: "mean", 2: "cls", 3: "last"}
+POOLING_RANK = 4
+
 
 def canonical_name(gguf_name: str) -> str | None:
     if gguf_name in _GLOBAL_NAMES:
@@ -327,7 +334,8 @@ def from_llama_cpp_layout(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 
 class GGUFModel:
-    """A GGUF file seen as a model (a ModelSource): its ModelConfig, tensor index, metadata and weights."""
+    """A GGUF file seen as a model (a ModelSource): its ModelConfig (EncoderConfig for BERT), tensor index,
+    metadata, weights and the pooling it declares."""
 
     format = "gguf"
 
@@ -335,12 +343,34 @@ class GGUFModel:
         self.file = GGUFFile.open(path)
         self.path = self.file.path
         self.metadata = self.file.metadata  # the tokenizer is built from it too (tokenizer.ggml.*)
-        self.config = self._config()
+        arch = self.file.require("general.architecture")
+        self.config: ModelConfig | EncoderConfig
+        if arch == bert.ARCHITECTURE:
+            shapes = {t.name: t.shape for t in self.file.tensors.values()}
+            self.config = bert.encoder_config_from_gguf(self.metadata, shapes, str(self.path), self.path.stat().st_size)
+            self._canonical_name = bert.canonical_from_gguf
+        else:
+            self.config = self._config(arch)
+            self._canonical_name = canonical_name
+        self.pooling = self._pooling(arch)
 
-    def _config(self) -> ModelConfig:
+    def _pooling(self, arch: str) -> PoolingConfig | None:
+        """{arch}.pooling_type, unit length: llama.cpp's server normalizes embeddings unless told not to."""
+        key = f"{arch}.pooling_type"
+        kind = ConfigReader(self.metadata, str(self.path)).integer(key, default=0, lo=0)
+        if kind == 0:
+            return None
+        if kind == POOLING_RANK:
+            raise UnsupportedModelError(
+                f"{self.path}: {key} = {kind} (rank: a reranker's relevance score) is not supported (supported:"
+                " 0 none, 1 mean, 2 cls, 3 last)")
+        if kind not in POOLING_TYPES:
+            raise ModelFileError(f"{self.path}: {key} = {kind} is not one of llama.cpp's pooling types (0 to 4)")
+        return PoolingConfig(POOLING_TYPES[kind], normalize=True)
+
+    def _config(self, arch: str) -> ModelConfig:
         f = self.file
         source = str(self.path)
-        arch = f.require("general.architecture")
         flags = check_architecture(arch, source)
         keys = {name: f"{arch}.{key}" for name, key in _CONFIG_KEYS.items()}
         r = ConfigReader(f.metadata, source)
@@ -394,14 +424,14 @@ class GGUFModel:
         """Canonical name -> shape of every tensor the model understands."""
         out = {}
         for t in self.file.tensors.values():
-            name = canonical_name(t.name)
+            name = self._canonical_name(t.name)
             if name is not None:
                 out[name] = t.shape
         return out
 
     def check_types(self) -> None:
         for t in self.file.tensors.values():
-            if canonical_name(t.name) is not None and t.qtype not in SUPPORTED_TYPES:
+            if self._canonical_name(t.name) is not None and t.qtype not in SUPPORTED_TYPES:
                 supported = ", ".join(q.name for q in sorted(SUPPORTED_TYPES))
                 raise UnsupportedModelError(
                     f"{self.path}: tensor {t.name!r} has type {t.qtype.name}, which churon cannot read (supported: {supported})"
@@ -409,6 +439,8 @@ class GGUFModel:
 
     def file_name(self, canonical: str) -> str:
         """The name this file uses (or would use) for a canonical tensor name."""
+        if isinstance(self.config, EncoderConfig):
+            return bert.gguf_name(canonical)
         if canonical in _FILE_NAMES:
             return _FILE_NAMES[canonical]
         _, layer, rest = canonical.split(".", 2)
@@ -422,7 +454,7 @@ class GGUFModel:
         c = self.config
         out = {}
         for t in self.file.tensors.values():
-            name = canonical_name(t.name)
+            name = self._canonical_name(t.name)
             if name is None:
                 continue
             heads = None

@@ -2,10 +2,10 @@
 
 The metadata comes from the source model: a GGUF source's fields are copied with their exact value
 types (llama.cpp checks them); a Hugging Face source gets the fields llama.cpp's convert_hf_to_gguf.py
-writes (TextModel.set_gguf_parameters, _set_vocab_gpt2). Tensors are written in llama.cpp's layout
-(llama attn_q / attn_k rows interleaved for its RoPE, see `to_llama_cpp_layout`) and streamed one at
-a time: the writer declares every tensor up front, then takes their bytes in that order, so a whole
-model never has to be in memory at once.
+writes (TextModel.set_gguf_parameters and _set_vocab_gpt2; for a BERT, BertModel's and its WordPiece
+vocabulary). Tensors are written in llama.cpp's layout (llama attn_q / attn_k rows interleaved for its
+RoPE, see `to_llama_cpp_layout`) and streamed one at a time: the writer declares every tensor up
+front, then takes their bytes in that order, so a whole model never has to be in memory at once.
 """
 
 from __future__ import annotations
@@ -20,10 +20,12 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, LlamaFileType
 
-from churon.config import ModelConfig
+from churon.config import EncoderConfig, ModelConfig
 from churon.errors import ModelFileError, UnsupportedModelError
-from churon.formats.gguf import GGUFFile, GGUFModel
-from churon.formats.hf import HFModel, read_json
+from churon.formats import bert
+from churon.formats.gguf import POOLING_TYPES, GGUFFile, GGUFModel
+from churon.formats.hf import HFModel
+from churon.formats.model_dir import read_json
 from churon.formats.source import ModelSource
 
 # general.file_type llama.cpp writes for a model mostly of one type (the K types as llama-quantize's
@@ -43,6 +45,7 @@ FILE_TYPES: dict[GGMLQuantizationType, LlamaFileType] = {
 }
 
 _GGUF_ARCHS = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3}
+_GGUF_POOLING = {mode: kind for kind, mode in POOLING_TYPES.items()}  # PoolingConfig.mode -> {arch}.pooling_type
 
 # Fields the writer sets itself rather than copying from a GGUF source.
 _OWN_FIELDS = ("general.architecture", "general.file_type", "general.quantization_version")
@@ -65,6 +68,8 @@ class TensorSpec:
 def gguf_tensor_name(source: ModelSource, canonical: str) -> str:
     """The GGUF name (blk.0.attn_q.weight) of a canonical churon tensor name (layers.0.self_attn.q_proj.weight)."""
     c = source.config
+    if isinstance(c, EncoderConfig):
+        return bert.gguf_name(canonical)
     names = gguf.get_tensor_name_map(_GGUF_ARCHS[c.architecture], c.num_layers)
     hf_name = canonical if canonical == "lm_head.weight" else "model." + canonical
     name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
@@ -187,6 +192,9 @@ def _copy_metadata(w: gguf.GGUFWriter, source: GGUFFile) -> None:
 def _hf_metadata(w: gguf.GGUFWriter, source: HFModel) -> None:
     """The fields convert_hf_to_gguf.py writes for Llama / Qwen2 / Qwen3 with a BPE tokenizer.json."""
     c = source.config
+    if isinstance(c, EncoderConfig):
+        _hf_encoder_metadata(w, source)
+        return
     w.add_type(gguf.GGUFType.MODEL)
     w.add_name(source.path.name)
     w.add_block_count(c.num_layers)
@@ -213,20 +221,78 @@ def _hf_metadata(w: gguf.GGUFWriter, source: HFModel) -> None:
     _hf_vocab(w, source)
 
 
+def _hf_encoder_metadata(w: gguf.GGUFWriter, source: HFModel) -> None:
+    """The fields convert_hf_to_gguf.py's BertModel writes: TextModel.set_gguf_parameters' (there is no
+    head_count_kv in a BERT config), attention.causal false, the pooling type of a sentence-transformers
+    directory (_try_set_pooling_type; a GGUF has no field for Normalize: llama.cpp's server normalizes
+    by default, and churon reads every GGUF pooling as normalized), and set_vocab's."""
+    c = source.config
+    w.add_type(gguf.GGUFType.MODEL)
+    w.add_name(source.path.name)
+    w.add_block_count(c.num_layers)
+    w.add_context_length(c.context_length)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_heads)
+    w.add_layer_norm_eps(c.layer_norm_eps)
+    w.add_causal_attention(False)
+    if source.pooling is not None:
+        w.add_pooling_type(gguf.PoolingType(_GGUF_POOLING[source.pooling.mode]))
+    _hf_wordpiece_vocab(w, source)
+
+
 def _hf_vocab(w: gguf.GGUFWriter, source: HFModel) -> None:
     """convert_hf_to_gguf's _set_vocab_gpt2: every id's token and type, merges, special ids, chat template.
 
     tokenizer.ggml.pre is "gpt-2": llama.cpp picks a model's pre-tokenizer by hashing transformers'
     output on a probe text, which churon (without transformers) cannot reproduce."""
+    tokens, types = _vocab(source, "BPE")
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt-2")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    gguf.SpecialVocab(source.path, load_merges=True, n_vocab=len(tokens)).add_to_gguf(w, quiet=True)
+
+
+def _hf_wordpiece_vocab(w: gguf.GGUFWriter, source: HFModel) -> None:
+    """BertModel.set_vocab: the token-type count, every id's token in llama.cpp's "phantom space" form (a
+    piece that starts a word gets a leading U+2581, a "##" continuation loses its "##", control tokens stay
+    as they are), its type, and the special ids and add_bos / add_eos flags gguf.SpecialVocab reads from the
+    tokenizer files ([CLS] as bos, [SEP] as eos and separator: what llama.cpp's WordPiece tokenizer puts
+    around a text). tokenizer.ggml.pre is "default": llama.cpp's WordPiece has no pre-tokenizer choice."""
+    tokens, types = _vocab(source, "WordPiece")
+
+    def phantom(token: str, kind: int) -> str:
+        if kind == gguf.TokenType.CONTROL:
+            return token
+        return token[2:] if token.startswith("##") else "\u2581" + token
+
+    w.add_token_type_count(source.config.type_vocab_size)
+    w.add_tokenizer_model("bert")
+    w.add_tokenizer_pre("default")
+    w.add_token_list([phantom(t, k) for t, k in zip(tokens, types)])
+    w.add_token_types(types)
+    # SpecialVocab's default kinds less "cls": GGUF dropped tokenizer.ggml.cls_token_id ([CLS] is the bos
+    # id), and gguf-py warns for a kind it has no key for
+    kinds = ("bos", "eos", "unk", "sep", "pad", "mask")
+    gguf.SpecialVocab(source.path, special_token_types=kinds, n_vocab=len(tokens)).add_to_gguf(w, quiet=True)
+
+
+def _vocab(source: HFModel, model_type: str) -> tuple[list[str], list[int]]:
+    """Every id's token and type as convert_hf_to_gguf's get_vocab_base gives them, from tokenizer.json
+    (whose model must be model_type): ids the tokenizer lacks up to the config's vocab_size are [PAD<id>]
+    UNUSED, added tokens CONTROL when special (or <|...|>), else USER_DEFINED."""
     from tokenizers import Tokenizer as HFTokenizer
 
     path = source.path / "tokenizer.json"
     if not path.is_file():
-        raise UnsupportedModelError(f"{source.path}: no tokenizer.json (churon converts BPE tokenizers only)")
+        raise UnsupportedModelError(f"{source.path}: no tokenizer.json (churon converts tokenizer.json vocabularies only)")
     tok = HFTokenizer.from_file(str(path))
-    model_type = type(tok.model).__name__
-    if model_type != "BPE":
-        raise UnsupportedModelError(f"{path}: tokenizer model {model_type} cannot be written to GGUF (only BPE)")
+    found = type(tok.model).__name__
+    if found != model_type:
+        raise UnsupportedModelError(
+            f"{path}: tokenizer model {found} cannot be written to GGUF for {source.config.architecture}"
+            f" (only {model_type})")
     vocab = tok.get_vocab(with_added_tokens=True)
     size = max(source.config.vocab_size, max(vocab.values()) + 1)
     by_id = {i: t for t, i in vocab.items()}
@@ -244,8 +310,4 @@ def _hf_vocab(w: gguf.GGUFWriter, source: HFModel) -> None:
         else:
             tokens.append(by_id[i])
             types.append(gguf.TokenType.NORMAL)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt-2")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    gguf.SpecialVocab(source.path, load_merges=True, n_vocab=len(tokens)).add_to_gguf(w, quiet=True)
+    return tokens, types

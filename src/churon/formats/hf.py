@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import json
 import math
 import os
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -15,35 +14,21 @@ from churon.config import (
     MAX_CONTEXT_LENGTH,
     MAX_LAYERS,
     ConfigReader,
+    EncoderConfig,
     ModelConfig,
     check_architecture,
     check_config,
     check_rope_scaling,
 )
 from churon.errors import ModelFileError, UnsupportedModelError
+from churon.formats import bert
+from churon.formats.model_dir import inside, read_json_object
+from churon.formats.sentence_transformers import read_pipeline
 from churon.formats.tensor_info import TensorInfo
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
-
-
-def read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ModelFileError(f"{path}: no such file") from None
-    except OSError as e:  # a directory, no permission, an I/O error: still the model file's fault, named
-        raise ModelFileError(f"{path}: cannot read it: {e}") from e
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ModelFileError(f"{path}: not valid JSON: {e}") from e
-    except RecursionError:
-        raise ModelFileError(f"{path}: not valid JSON: nested too deeply") from None
-
-
-def read_json_object(path: Path) -> dict[str, Any]:
-    data = read_json(path)
-    if not isinstance(data, dict):
-        raise ModelFileError(f"{path}: expected a JSON object, found {type(data).__name__}")
-    return data
+# config.json "architectures" that are BERT whatever model_type says (llama.cpp's converter registers them)
+BERT_ARCHITECTURES = ("BertModel", "BertForMaskedLM")
 
 
 # ModelConfig field -> its config.json key
@@ -65,9 +50,16 @@ def _canonical_name(hf_name: str) -> str:
     return hf_name.removeprefix("model.")
 
 
+def is_bert(cfg: dict[str, Any]) -> bool:
+    archs = cfg.get("architectures")
+    return cfg.get("model_type") == bert.ARCHITECTURE or (
+        isinstance(archs, list) and any(a in BERT_ARCHITECTURES for a in archs))
+
+
 class HFModel:
-    """A Hugging Face directory seen as a model (a ModelSource): its ModelConfig, tensor index and weights.
-    The tokenizer files beside them are churon.tokenizer's to read."""
+    """A Hugging Face directory seen as a model (a ModelSource): its ModelConfig (EncoderConfig for BERT),
+    tensor index and weights, and the pooling a sentence-transformers directory declares (formats/
+    sentence_transformers.py). The tokenizer files beside them are churon.tokenizer's to read."""
 
     format = "hf"
 
@@ -77,7 +69,14 @@ class HFModel:
             raise ModelFileError(f"{self.path}: not a directory")
         self.metadata = read_json_object(self.path / "config.json")
         self._shards = self._shard_files()
-        self.config = self._config(self.metadata, sum(shard.stat().st_size for shard in self._shards))
+        file_bytes = sum(shard.stat().st_size for shard in self._shards)
+        self.config: ModelConfig | EncoderConfig
+        if is_bert(self.metadata):
+            self.config = bert.encoder_config_from_hf(self.metadata, str(self.path / "config.json"), file_bytes)
+        else:
+            self.config = self._config(self.metadata, file_bytes)
+        self.pooling, notes = read_pipeline(self.path)
+        self.config.extra.update(notes)
         self._index: dict[str, tuple[Path, TensorInfo]] = {}
         for shard in self._shards:
             try:
@@ -92,6 +91,21 @@ class HFModel:
                 raise
             except Exception as e:  # safetensors raises SafetensorError for bad headers and truncated data
                 raise ModelFileError(f"{shard}: not a readable safetensors file: {e}") from e
+        self._file_names = self._canonical_names()
+
+    def _canonical_names(self) -> dict[str, str]:
+        """Canonical name -> the file's name, for every tensor the model reads (a BERT's pooler and heads
+        are not read)."""
+        encoder = isinstance(self.config, EncoderConfig)
+        out: dict[str, str] = {}
+        for name in self._index:
+            canonical = bert.canonical_from_hf(name) if encoder else _canonical_name(name)
+            if canonical is None:
+                continue
+            if encoder and canonical in out:
+                raise ModelFileError(f"{self.path}: tensors {out[canonical]!r} and {name!r} are the same weight")
+            out[canonical] = name
+        return out
 
     def _config(self, cfg: dict[str, Any], file_bytes: int) -> ModelConfig:
         source = str(self.path / "config.json")
@@ -145,7 +159,8 @@ class HFModel:
             if not isinstance(weight_map, dict):
                 raise ModelFileError(f"{index}: field 'weight_map' is missing or not an object")
             # each name checked before it is hashed into the de-duplicated list (a list value is not hashable)
-            shards = list(dict.fromkeys(self._shard_path(index, name) for name in weight_map.values()))
+            named_in = f"{index}: weight_map"
+            shards = list(dict.fromkeys(inside(self.path, name, named_in, "shard") for name in weight_map.values()))
         else:
             shards = sorted(self.path.glob("*.safetensors"))
         if not shards:
@@ -155,22 +170,12 @@ class HFModel:
                 raise ModelFileError(f"{shard}: no such file (named in {SAFETENSORS_INDEX})")
         return shards
 
-    def _shard_path(self, index: Path, name: Any) -> Path:
-        """A shard the index names: a file name inside the model directory, nowhere else. The check is on the
-        name, not the resolved path: a Hugging Face cache snapshot's files are symlinks to its blobs."""
-        if not isinstance(name, str):
-            raise ModelFileError(f"{index}: weight_map names the shard {name!r:.80}, which is not a file name")
-        parts = PurePosixPath(name).parts
-        if not parts or PurePosixPath(name).is_absolute() or ".." in parts or "\\" in name:
-            raise ModelFileError(f"{index}: weight_map names the shard {name!r}, which is outside the model directory")
-        return self.path / name
-
     @property
     def tensors(self) -> list[TensorInfo]:
         return [info for _, info in self._index.values()]
 
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
-        return {_canonical_name(name): info.shape for name, (_, info) in self._index.items()}
+        return {canonical: self._index[name][1].shape for canonical, name in self._file_names.items()}
 
     def check_types(self) -> None:
         """safetensors float types are all readable; an integer weight is a quantization churon does not know."""
@@ -182,11 +187,14 @@ class HFModel:
                 )
 
     def file_name(self, canonical: str) -> str:
-        return canonical if canonical in self._index else "model." + canonical
+        """The name this directory uses (or would use) for a canonical tensor name."""
+        if canonical in self._file_names:
+            return self._file_names[canonical]
+        return canonical if isinstance(self.config, EncoderConfig) else "model." + canonical
 
     def load_weights(self) -> dict[str, torch.Tensor]:
-        weights = {_canonical_name(name): self._read(name) for name in self._index}
-        if self.config.tie_word_embeddings:
+        weights = {canonical: self._read(name) for canonical, name in self._file_names.items()}
+        if isinstance(self.config, ModelConfig) and self.config.tie_word_embeddings:
             weights.pop("lm_head.weight", None)
         return weights
 

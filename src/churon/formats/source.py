@@ -11,7 +11,7 @@ from typing import Any, Literal, Mapping, Protocol
 
 import torch
 
-from churon.config import ModelConfig
+from churon.config import EncoderConfig, ModelConfig, PoolingConfig
 from churon.formats.gguf import GGUFTensor
 from churon.formats.tensor_info import TensorInfo
 
@@ -19,7 +19,8 @@ from churon.formats.tensor_info import TensorInfo
 class ModelSource(Protocol):
     format: Literal["gguf", "hf"]
     path: Path  # the .gguf file or the Hugging Face directory
-    config: ModelConfig
+    config: ModelConfig | EncoderConfig  # a decoder's or a BERT-family encoder's architecture
+    pooling: PoolingConfig | None  # what the files say turns hidden states into one vector (None: nothing)
     # what the file says besides its tensors: GGUF key/values, or an HF directory's config.json
     metadata: Mapping[str, Any]
 

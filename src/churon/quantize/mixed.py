@@ -2,7 +2,8 @@
 budget spent on the tensors whose rounding costs the most.
 
 Defaults (llama.cpp's llama_tensor_get_type, for the types churon writes):
-- 1-D tensors (norms, biases, rope_freqs) stay F32;
+- 1-D tensors (norms, biases, rope_freqs) stay F32, and so do BERT's position and token-type tables
+  (position_embd, token_types: llama.cpp never quantizes them);
 - the output matrix (output.weight, or token_embd.weight when the embeddings are tied) goes to Q6_K,
   or Q8_0 when its rows are not a multiple of 256 -- unless the type is Q8_0 or a float type;
 - for Q4_K and Q5_K (llama.cpp's Q4_K_M / Q5_K_M mixes) attn_v and ffn_down of the first and last
@@ -36,6 +37,9 @@ FLOAT_TYPES = frozenset({T.F32, T.F16, T.BF16})
 # llama.cpp's fallback for a K type on rows that are not a multiple of 256 (convert_incompatible_tensor)
 _FALLBACK = {T.Q4_K: T.Q5_0, T.Q5_K: T.Q5_1, T.Q6_K: T.Q8_0}
 
+# 2-D tensors llama.cpp keeps F32 whatever the type (convert_hf_to_gguf's prepare_tensors, llama-quantize)
+ALWAYS_F32 = frozenset({"position_embd.weight", "token_types.weight"})
+
 # types a --target-bpw budget moves tensors up through, by bits per weight
 LADDER = (T.Q4_0, T.Q4_K, T.Q5_0, T.Q5_K, T.Q6_K, T.Q8_0, T.F16)
 
@@ -58,8 +62,9 @@ def _use_more_bits(layer: int, n_layers: int) -> bool:
 
 
 def default_type(name: str, shape: tuple[int, ...], qtype: T, n_layers: int, tied: bool, pure: bool = False) -> T:
-    """The type llama-quantize gives tensor `name` when asked for `qtype` (see the module docstring)."""
-    if len(shape) < 2:
+    """The type llama-quantize gives tensor `name` when asked for `qtype` (see the module docstring).
+    tied: there is no output.weight, so token_embd takes its place (tied embeddings, or an encoder)."""
+    if len(shape) < 2 or name in ALWAYS_F32:
         return T.F32
     cols = shape[-1]
     if pure or qtype in FLOAT_TYPES:

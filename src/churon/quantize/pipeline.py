@@ -28,7 +28,8 @@ import torch
 from gguf import GGMLQuantizationType
 from tqdm import tqdm
 
-from churon.errors import ModelFileError
+from churon.config import EncoderConfig
+from churon.errors import ModelFileError, UnsupportedModelError
 from churon.formats.gguf import GGUFModel
 from churon.formats.gguf_writer import FILE_TYPES, GGUFModelWriter, TensorSpec
 from churon.formats.quants import quant_type, quantize
@@ -136,10 +137,17 @@ def quantize_model(
     if isinstance(source, GGUFModel) and out.resolve() == Path(source.path).resolve():
         raise ValueError(f"{out}: the output would overwrite the source model")
     source.check_types()
-    tensors = SourceTensors(source)
     c = source.config
+    encoder = isinstance(c, EncoderConfig)
+    if encoder and (quantizer.needs_calibration or target_bpw is not None):  # calibration runs a decoder
+        needs = f"method {method!r}" if quantizer.needs_calibration else "--target-bpw"
+        raise UnsupportedModelError(
+            f"{source.path}: {needs} calibrates on a decoder's forward pass; an encoder ({c.architecture}) is"
+            " written with rtn only: F32, F16, Q8_0 or another type with method 'rtn' and no --target-bpw")
+    tensors = SourceTensors(source)
 
-    types = {n: default_type(n, s, qtype, c.num_layers, c.tie_word_embeddings, pure) for n, s in tensors.shapes.items()}
+    no_output = encoder or c.tie_word_embeddings  # llama-quantize then gives token_embd the output's type
+    types = {n: default_type(n, s, qtype, c.num_layers, no_output, pure) for n, s in tensors.shapes.items()}
     kept = apply_keep(types, tensors.shapes, keep_rules)
     if target_bpw is not None:
         check_budget(types, tensors.shapes, target_bpw)

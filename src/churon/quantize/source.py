@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from churon.config import ModelConfig
 from churon.formats.gguf import GGUFModel, canonical_name, from_llama_cpp_layout
 from churon.formats.gguf_writer import gguf_tensor_name, llama3_rope_freqs, permuted_heads, to_llama_cpp_layout
 from churon.formats.hf import HFModel
@@ -29,10 +30,11 @@ class SourceTensors:
         if isinstance(source, GGUFModel):
             self.shapes = {t.name: tuple(t.shape) for t in source.file.tensors.values()}
         else:
-            self._rope_freqs = llama3_rope_freqs(source.config)
+            decoder = isinstance(source.config, ModelConfig)  # an encoder has no RoPE and no output matrix
+            self._rope_freqs = llama3_rope_freqs(source.config) if decoder else None
             if self._rope_freqs is not None:
                 self.shapes["rope_freqs.weight"] = tuple(self._rope_freqs.shape)
-            tied = source.config.tie_word_embeddings
+            tied = decoder and source.config.tie_word_embeddings
             for canonical, shape in source.weight_shapes().items():
                 if tied and canonical == "lm_head.weight":
                     continue  # llama.cpp writes no output matrix for tied embeddings
