@@ -20,3 +20,8 @@ class ContextLengthError(ChuronError, ValueError):
 class GenerationError(ChuronError, RuntimeError):
     """One request failed while it generated (the model's logits were NaN, its grammar or detokenizer
     failed): that request alone finishes, with finish_reason "error"; the others in its batch go on."""
+
+
+class TaskError(ChuronError, ValueError):
+    """A model was asked for what it does not do: text from an embedding model, vectors from a model
+    loaded to generate."""

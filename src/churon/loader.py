@@ -1,6 +1,6 @@
-"""The loader: from a model name or path to a ready Transformer and Tokenizer.
+"""The loader: from a model name or path to a ready model (a decoder Transformer or an Encoder) and Tokenizer.
 
-model file -> ModelSource (GGUF file or HF directory) -> checked weights -> Transformer, Tokenizer
+model file -> ModelSource (GGUF file or HF directory) -> checked weights -> Transformer | Encoder, Tokenizer
 """
 
 from __future__ import annotations
@@ -11,11 +11,14 @@ import os
 import torch
 
 from churon import kernels
+from churon.config import EncoderConfig
 from churon.errors import ModelFileError
+from churon.formats.bert import expected_encoder_weight_shapes
 from churon.formats.gguf import GGUFModel
 from churon.formats.hf import HFModel
 from churon.formats.source import ModelSource
 from churon.model.backend import Backend
+from churon.model.encoder import Encoder
 from churon.model.native_backend import NativeBackend
 from churon.model.reference_backend import ReferenceBackend
 from churon.model.transformer import Transformer, expected_weight_shapes
@@ -40,7 +43,9 @@ def open_model(model: str | os.PathLike, pull: bool = True) -> ModelSource:
 def check_weights(source: ModelSource) -> None:
     """Every tensor the architecture needs is present with the right shape, before any data is read."""
     found = source.weight_shapes()
-    for name, shape in expected_weight_shapes(source.config).items():
+    c = source.config
+    expected = expected_encoder_weight_shapes(c) if isinstance(c, EncoderConfig) else expected_weight_shapes(c)
+    for name, shape in expected.items():
         if name not in found:
             raise ModelFileError(f"{source.path}: tensor {source.file_name(name)!r} is missing")
         if tuple(found[name]) != shape:
@@ -69,8 +74,9 @@ def make_backend(kernels_choice: str, dtype: torch.dtype) -> Backend:
 
 def load_model(
     model: str | os.PathLike, dtype: str | torch.dtype = "float32", pull: bool = True, kernels: str = "auto"
-) -> tuple[Transformer, Tokenizer, ModelSource]:
-    """kernels: "native" (churon's CPU kernels), "reference" (plain PyTorch), "auto" (native when built, float32)."""
+) -> tuple[Transformer | Encoder, Tokenizer, ModelSource]:
+    """kernels: "native" (churon's CPU kernels), "reference" (plain PyTorch), "auto" (native when built, float32).
+    A decoder becomes a Transformer, a BERT-family encoder an Encoder."""
     if isinstance(dtype, str):
         if dtype not in DTYPES:
             raise ValueError(f"dtype {dtype!r} is not supported (supported: {', '.join(DTYPES)})")
@@ -79,5 +85,5 @@ def load_model(
     source = open_model(model, pull=pull)
     source.check_types()
     tokenizer = load_tokenizer(source)
-    transformer = Transformer(source.config, source.load_weights(), backend)
-    return transformer, tokenizer, source
+    model_class = Encoder if isinstance(source.config, EncoderConfig) else Transformer
+    return model_class(source.config, source.load_weights(), backend), tokenizer, source

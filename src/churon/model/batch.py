@@ -92,6 +92,37 @@ class ForwardBatch:
         )
 
 
+@dataclass
+class PackedBatch:
+    """Whole inputs laid end to end for a forward that keeps no cache (embeddings): input i is flat rows
+    seq_starts[i]:seq_starts[i + 1], its tokens at positions 0, 1, 2, ..."""
+
+    input_ids: torch.Tensor  # int64 [tokens]
+    positions: torch.Tensor  # int64 [tokens]
+    seq_starts: torch.Tensor  # int64 [inputs + 1]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def lengths(self) -> list[int]:
+        return self.seq_starts.diff().tolist()
+
+    @classmethod
+    def build(cls, inputs: Sequence[Sequence[int]]) -> "PackedBatch":
+        if not inputs or any(len(ids) == 0 for ids in inputs):
+            raise ValueError("a packed batch needs at least one input, each of at least one token")
+        lengths = torch.tensor([len(ids) for ids in inputs])
+        starts = torch.zeros(len(inputs) + 1, dtype=torch.int64)
+        torch.cumsum(lengths, 0, out=starts[1:])
+        return cls(
+            input_ids=torch.tensor([t for ids in inputs for t in ids], dtype=torch.int64),
+            positions=torch.arange(int(starts[-1])) - torch.repeat_interleave(starts[:-1], lengths),
+            seq_starts=starts,
+        )
+
+
 def slots_of(block_table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
     """The KV-cache slots (int64) of a sequence's token positions, through its block table."""
     return block_table[positions // block_size].long() * block_size + positions % block_size

@@ -133,6 +133,12 @@ class Transformer:
     @torch.inference_mode()
     def forward_batch(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
         """Run a step of many sequences; float32 logits of the rows batch.logits_indices names."""
+        return self.backend.linear_precise(self.lm_head, self.hidden_states(batch, cache)).float()
+
+    @torch.inference_mode()
+    def hidden_states(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
+        """Run a step of many sequences; the final hidden states (after the last norm) of the rows
+        batch.logits_indices names: what the logits are computed from, and what a decoder embedder pools."""
         b, eps = self.backend, self.config.rms_norm_eps
         x = b.embedding(self.embed_tokens, batch.input_ids)  # the residual stream, [tokens, hidden]
         h = b.rms_norm(x, self.layers[0].input_norm, eps)
@@ -141,8 +147,7 @@ class Transformer:
             if i + 1 < len(self.layers):  # the MLP's residual add fused with the next layer's input norm
                 h = b.add_rms_norm(x, down, self.layers[i + 1].input_norm, eps)
         rows = batch.logits_indices
-        h = b.add_rms_norm(x[rows], down[rows], self.norm, eps)
-        return b.linear_precise(self.lm_head, h).float()
+        return b.add_rms_norm(x[rows], down[rows], self.norm, eps)
 
 
 class DecoderBlock:
