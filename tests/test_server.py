@@ -424,7 +424,8 @@ BAD = [
     ("invalid JSON schema", "/v1/chat/completions", {"messages": MESSAGES, "response_format": {
         "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "no-such-type"}}}}, 400, None),
     ("unknown model", "/v1/completions", {"prompt": "hi", "model": "gpt-9"}, 404, "model"),
-    ("unknown route", "/v1/embeddings", {"input": "hi"}, 404, None),
+    ("unknown route", "/v1/audio/speech", {"input": "hi"}, 404, None),
+    ("embeddings of a generation model", "/v1/embeddings", {"input": "hi"}, 400, "model"),
     ("detokenize outside the vocabulary", "/detokenize", {"tokens": [10**6]}, 400, "tokens"),
 ]
 

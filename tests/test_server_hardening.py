@@ -184,7 +184,7 @@ def test_keep_alive_survives_errors_500_included(gguf, monkeypatch):
             r = http.post("/v1/completions", json={"prompt": "hi", "logit_bias": {"²": 1}})
             assert r.status_code == 400
             ports.append(_local_port(r))
-            r = http.post("/v1/embeddings", json={"input": "hi"})
+            r = http.post("/v1/audio/speech", json={"input": "hi"})
             assert r.status_code == 404
             ports.append(_local_port(r))
             with monkeypatch.context() as m:

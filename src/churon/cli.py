@@ -1,4 +1,4 @@
-"""The `churon` command: pull, list, run, chat, inspect, serve, bench, quantize, eval."""
+"""The `churon` command: pull, list, run, chat, embed, inspect, serve, bench, quantize, eval."""
 
 from __future__ import annotations
 
@@ -39,9 +39,16 @@ def _sampling_params(args):
 
 
 def _load(args):
+    """The model of `churon run` / `chat`, loaded to generate text."""
+    from churon.errors import TaskError
     from churon.llm import LLM
 
-    return LLM(args.model or DEFAULT_MODEL, dtype=args.dtype, kernels=args.kernels, threads=args.threads)
+    model = args.model or DEFAULT_MODEL
+    try:
+        return LLM(model, task="generate", dtype=args.dtype, kernels=args.kernels, threads=args.threads)
+    except TaskError as e:
+        raise TaskError(f"{e}: `churon {args.command}` needs a text-generation model (`churon embed {model} TEXT`"
+                        " embeds text with this one)") from None
 
 
 def _is_model(text: str) -> bool:
@@ -126,6 +133,25 @@ def cmd_chat(args) -> int:
         history.append({"role": "assistant", "content": answer})
 
 
+def cmd_embed(args) -> int:
+    import json
+
+    from churon.llm import LLM
+
+    texts = list(args.texts)
+    if not texts:
+        if sys.stdin.isatty():
+            raise ChuronError("no text: give texts as arguments, or one a line on stdin")
+        texts = sys.stdin.read().splitlines()  # one vector per line, blank lines included: line i is vector i
+        if not texts:
+            raise ChuronError("no text: stdin was empty")
+    llm = LLM(args.model, task="embed", pooling=args.pooling, kernels=args.kernels, threads=args.threads)
+    vectors = llm.embed(texts, truncate=args.truncate)
+    json.dump({"model": args.model, "dimensions": llm.embedding_dim, "embeddings": vectors}, sys.stdout)
+    sys.stdout.write("\n")
+    return 0
+
+
 def cmd_pull(args) -> int:
     path = pull_model(args.model)
     print(path)
@@ -186,15 +212,17 @@ def _table(header: list[str], rows: list[tuple]) -> None:
 def cmd_inspect(args) -> int:
     import torch
 
-    from churon.config import EngineConfig
+    from churon.config import EncoderConfig, EngineConfig
     from churon.engine.kv_cache import KV_DTYPES, kv_bytes_per_token
     from churon.loader import open_model
     from churon.engine.memory import plan_memory
 
     m = open_model(args.model, pull=True)
     c = m.config
+    if isinstance(c, EncoderConfig):
+        return _inspect_encoder(m, args)
     tensors = m.tensors
-    params = sum(math.prod(t.shape) for t in tensors if not t.name.startswith("rope_freqs"))
+    params = _parameters(m)
     weight_bytes = sum(t.n_bytes for t in tensors)
     rope = f"theta {c.rope_theta:g}" + (f", scaling {c.rope_scaling}" if c.rope_scaling else "")
     fields = [
@@ -213,15 +241,11 @@ def cmd_inspect(args) -> int:
         ("QKV bias", c.attention_bias),
         ("QK norm", c.qk_norm),
         ("tied embeddings", c.tie_word_embeddings),
+        *([("pooling", _pooling(m.pooling))] if m.pooling is not None else []),  # a decoder made to embed
         ("parameters", f"{params:,} ({params / 1e6:.1f} M)"),
     ]
-    width = max(len(k) for k, _ in fields)
-    for k, v in fields:
-        print(f"{k:<{width}}  {v}")
-    print("\nbytes by tensor type:")
-    by_type = _bytes_by_type(m)
-    count = Counter(t.dtype for t in tensors)
-    _table(["type", "tensors", "bytes"], [(k, count[k], _bytes(v)) for k, v in by_type.most_common()])
+    _print_fields(fields)
+    _print_bytes_by_type(m)
 
     kv_dtype = KV_DTYPES[KV_DTYPE_ARGS[args.kv_dtype]]
     per_token = kv_bytes_per_token(c, kv_dtype)
@@ -235,10 +259,67 @@ def cmd_inspect(args) -> int:
     plan = plan_memory(c, weight_bytes, EngineConfig(), c.context_length, kv_dtype)
     print(f"\nmemory plan on this machine (default engine settings): {plan.describe(c.context_length)}")
     _print_native_layouts(m)
+    _print_tensors(m, args)
+    return 0
+
+
+def _inspect_encoder(m, args) -> int:
+    """An encoder (BERT): its architecture, its pooling, its tensors. It keeps no KV cache: an input is one
+    forward, its memory the weights and that forward's activations."""
+    c = m.config
+    fields = [
+        ("file", str(m.path)),
+        ("format", m.format),
+        ("architecture", f"{c.architecture} (encoder: embeddings)"),
+        ("layers", c.num_layers),
+        ("hidden size", c.hidden_size),
+        ("intermediate size", c.intermediate_size),
+        ("attention heads", c.num_heads),
+        ("head dim", c.head_dim),
+        ("vocabulary", c.vocab_size),
+        ("context length", c.context_length),
+        ("token types", c.type_vocab_size),
+        ("layer norm eps", f"{c.layer_norm_eps:g}"),
+        ("activation", c.hidden_act),
+        ("pooling", _pooling(m.pooling) if m.pooling is not None else "not declared by the files"),
+        ("parameters", f"{_parameters(m):,} ({_parameters(m) / 1e6:.1f} M)"),
+    ]
+    _print_fields(fields)
+    _print_bytes_by_type(m)
+    print(f"\nmemory: weights {_bytes(sum(t.n_bytes for t in m.tensors))} in the file; no KV cache (an encoder keeps"
+          " none: each input is one forward)")
+    _print_native_layouts(m)
+    _print_tensors(m, args)
+    return 0
+
+
+def _pooling(p) -> str:
+    """A PoolingConfig as inspect prints it: "mean, normalized, max length 256"."""
+    return ", ".join([p.mode, "normalized" if p.normalize else "not normalized"]
+                     + ([f"max length {p.max_length}"] if p.max_length is not None else []))
+
+
+def _parameters(m) -> int:
+    return sum(math.prod(t.shape) for t in m.tensors if not t.name.startswith("rope_freqs"))
+
+
+def _print_fields(fields: list[tuple[str, object]]) -> None:
+    width = max(len(k) for k, _ in fields)
+    for k, v in fields:
+        print(f"{k:<{width}}  {v}")
+
+
+def _print_bytes_by_type(m) -> None:
+    print("\nbytes by tensor type:")
+    by_type = _bytes_by_type(m)
+    count = Counter(t.dtype for t in m.tensors)
+    _table(["type", "tensors", "bytes"], [(k, count[k], _bytes(v)) for k, v in by_type.most_common()])
+
+
+def _print_tensors(m, args) -> None:
     if args.tensors:
         print()
-        _table(["tensor", "shape", "type", "bytes"], [(t.name, "x".join(map(str, t.shape)), t.dtype, t.n_bytes) for t in tensors])
-    return 0
+        _table(["tensor", "shape", "type", "bytes"], [(t.name, "x".join(map(str, t.shape)), t.dtype, t.n_bytes) for t in m.tensors])
 
 
 def _print_native_layouts(m) -> None:
@@ -296,26 +377,42 @@ def cmd_serve(args) -> int:
     engine_options = _given(args, "max_num_seqs", "max_num_batched_tokens", "max_model_len", "kv_cache_memory")
     EngineConfig(**engine_options)  # bad settings fail now, not after the port is bound
     # as for the engine: the flags left out keep the dataclasses' defaults, bad values fail before the port is bound
-    limits = RequestLimits(**_given(args, "max_choices", "max_prompt_tokens", "max_logit_bias", "max_stop", "max_logprobs"))
+    limits = RequestLimits(**_given(args, "max_choices", "max_prompt_tokens", "max_logit_bias", "max_stop", "max_logprobs",
+                                    "max_embedding_inputs"))
     connection_limits = ConnectionLimits(**_given(args, "header_timeout", "body_timeout", "max_connections"))
     api_key = _api_key(args)
+    if args.pooling is not None and args.embedding_model is None and args.task == "generate":
+        raise ValueError("--pooling is for the model that embeds: give --embedding-model, or --task embed")
     failures: list[BaseException] = []
 
     def load():
-        return LLM(model, dtype=args.dtype, kernels=args.kernels, threads=args.threads, **engine_options)
+        # --pooling belongs to the embedding model when there is one, else to MODEL (a decoder made to embed)
+        pooling = args.pooling if args.embedding_model is None else None
+        return LLM(model, task=args.task, pooling=pooling, dtype=args.dtype, kernels=args.kernels, threads=args.threads,
+                   **engine_options)
+
+    def load_embedding_model():
+        # a step's token budget is the embedding engine's too; the KV-cache settings are the generation model's
+        options = _given(args, "max_num_batched_tokens")
+        return LLM(args.embedding_model, task="embed", pooling=args.pooling, dtype=args.dtype, kernels=args.kernels,
+                   threads=args.threads, **options)
 
     def on_load_error(e: BaseException) -> None:
         failures.append(e)
         server.should_exit = True
 
-    app = create_app(load, args.served_model_name or model, api_key=api_key, max_queue=args.max_queue,
-                     max_body_bytes=args.max_body_bytes, limits=limits, on_load_error=on_load_error)
+    embedding = (load_embedding_model, args.embedding_model) if args.embedding_model is not None else None
+    app = create_app(load, args.served_model_name or model, embedding_model=embedding, api_key=api_key,
+                     max_queue=args.max_queue, max_body_bytes=args.max_body_bytes, limits=limits,
+                     on_load_error=on_load_error)
     server = make_server(app, args.host, args.port, log_level=args.log_level, connection_limits=connection_limits,
                          **_given(args, "shutdown_timeout"))
-    print(f"churon: serving {model} on http://{args.host}:{args.port}/v1 (loading; GET /health says when ready)", file=sys.stderr)
+    served = model + (f" and {args.embedding_model}" if args.embedding_model is not None else "")
+    print(f"churon: serving {served} on http://{args.host}:{args.port}/v1 (loading; GET /health says when ready)",
+          file=sys.stderr)
     server.run()
     if failures:
-        raise ChuronError(f"loading {model} failed: {failures[0]}")
+        raise ChuronError(f"loading {served} failed: {failures[0]}")
     return 0
 
 
@@ -482,6 +579,18 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(p)
     p.set_defaults(func=cmd_chat)
 
+    p = sub.add_parser("embed", help="embed texts (arguments, or one a line on stdin) with an embedding model; JSON out")
+    p.add_argument("model", help="registry name (e.g. all-minilm), .gguf file or HF / sentence-transformers directory")
+    p.add_argument("texts", nargs="*", metavar="TEXT", help="texts to embed (default: one a line on stdin)")
+    p.add_argument("--truncate", action="store_true",
+                   help="cut a text longer than the model's max length to its beginning (default: an error)")
+    p.add_argument("--pooling", default=None, choices=["mean", "cls", "last"],
+                   help="how tokens become one vector (default: what the model's files say; a decoder: last)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: physical cores)")
+    p.add_argument("--kernels", default="auto", choices=["auto", "native", "reference"],
+                   help="native CPU kernels, or the plain PyTorch reference (default: native when built)")
+    p.set_defaults(func=cmd_embed)
+
     p = sub.add_parser("pull", help="download a registry model into the cache")
     p.add_argument("model", nargs="?", default=DEFAULT_MODEL)
     p.set_defaults(func=cmd_pull)
@@ -495,11 +604,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-dtype", default="f32", choices=list(KV_DTYPE_ARGS), help="KV cache element type (default f32)")
     p.set_defaults(func=cmd_inspect)
 
-    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions, ...)")
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/chat/completions, /v1/embeddings, ...)")
     p.add_argument("model", nargs="?", default=None, help=f"registry name, .gguf file or HF directory (default {DEFAULT_MODEL})")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default=None, help="the name clients send as `model` (default: MODEL as given)")
+    p.add_argument("--task", default="auto", choices=["auto", "generate", "embed"],
+                   help="what MODEL serves: text (chat, completions, ...) or /v1/embeddings (default auto: embed for an"
+                        " encoder or a model whose files declare a pooling, else generate)")
+    p.add_argument("--embedding-model", default=None, metavar="EMBEDDING_MODEL",
+                   help="a second model, served beside MODEL for /v1/embeddings under this name (e.g. all-minilm)")
+    p.add_argument("--pooling", default=None, choices=["mean", "cls", "last"],
+                   help="how the embedding model pools its tokens (default: what its files say; a decoder: last)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every API request (visible"
                    f" to every user in `ps`: prefer --api-key-file or ${API_KEY_ENV})")
     p.add_argument("--api-key-file", default=None, help=f"read the API key from this file (default: ${API_KEY_ENV}, if set)")
@@ -512,6 +628,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-logit-bias", type=int, default=None, help="logit_bias entries of a request (default 1024)")
     p.add_argument("--max-stop", type=int, default=None, help="stop strings of a request (default 64)")
     p.add_argument("--max-logprobs", type=int, default=None, help="most logprobs / top_logprobs a request may ask (default 20)")
+    p.add_argument("--max-embedding-inputs", type=int, default=None,
+                   help="inputs of one /v1/embeddings request (default 2048, as OpenAI); beyond it 400")
     p.add_argument("--header-timeout", type=float, default=None,
                    help="seconds for a connection to send a request's headers (default 10); then it is closed")
     p.add_argument("--body-timeout", type=float, default=None,
@@ -521,7 +639,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shutdown-timeout", type=float, default=None,
                    help="on SIGTERM, seconds the running requests have to finish (default 30); then they are ended")
     p.add_argument("--max-num-seqs", type=int, default=None, help="sequences in one batch")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens in one step (prompt chunks + decodes)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="tokens in one step (prompt chunks + decodes; an embedding forward's inputs)")
     p.add_argument("--max-model-len", type=int, default=None, help="cap on a sequence's length (default: the model's context)")
     p.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV cache (default: a share of free memory)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: physical cores)")
@@ -585,6 +704,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # `churon embed ... | head`: the reader left; Python would complain again at exit
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, as a shell reports a command the pipe ended
 
 
 if __name__ == "__main__":

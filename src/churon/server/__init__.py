@@ -3,11 +3,13 @@
     app.py         create_app: wires the parts below into one FastAPI app
     serve.py       make_server: the app on uvicorn, as `churon serve` runs it (file limit, SIGTERM's drain)
     connections.py under the app: header and body read deadlines, the connection limit
-    state.py       what the routes share (the model once loaded, metrics, admission, limits); the 503 while loading
+    state.py       what the routes share (the models once loaded, metrics, admission, limits); the 503 while loading,
+                   a request's `model` looked up for its task (text generation or embeddings)
     errors.py      APIError and the exception handlers: every error as OpenAI's error body
     middleware.py  before any route: the API key, the body-size limit, answers counted by status, the 500 of a bug
     admission.py   --max-queue: engine requests waiting for their first token
-    limits.py      the work one request may ask for: choices, prompt tokens, logit_bias, stop strings, logprobs
+    limits.py      the work one request may ask for: choices, prompt tokens, logit_bias, stop strings, logprobs,
+                   embedding inputs
     offload.py     chat templates and tokenization on a thread pool of their own, off the event loop
     generation.py  the engine requests of one HTTP request, run together; its 400s, 499 and 503
     drain.py       the graceful shutdown: no new requests, a grace period, then every request ended properly

@@ -24,7 +24,7 @@ from churon.sampling import SamplingParams
 from churon.server.drain import Drain
 from churon.server.errors import APIError
 from churon.server.metrics import ServerMetrics
-from churon.server.state import ServerState
+from churon.server.state import ServedModel, ServerState
 
 
 @dataclass
@@ -133,12 +133,13 @@ class Generation:
         self._queue.put_nowait((None, error))
 
 
-async def start_generation(request: Request, state: ServerState, requests: list[EngineRequest],
+async def start_generation(request: Request, state: ServerState, served: ServedModel, requests: list[EngineRequest],
                            prompt_param: str) -> Generation:
-    """Admit the requests and start them; prompt_param: the request field a too-long prompt came from."""
-    _, engine = state.ready()
+    """Admit the requests and start them on the served model (ServerState.model's, for "generate");
+    prompt_param: the request field a too-long prompt came from."""
+    state.ready()  # the shutdown may have begun while the prompt was built
     with state.admission.admit(len(requests)):
-        generation = Generation(engine, state.metrics, requests, state.drain)
+        generation = Generation(served.engine, state.metrics, requests, state.drain)
         try:
             await until_ended(request, state.drain, generation.start())
         except ContextLengthError as e:

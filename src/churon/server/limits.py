@@ -23,6 +23,7 @@ class RequestLimits:
     max_stop: int = 64  # stop strings
     max_stop_chars: int = 1024  # characters of one stop string: the detokenizer holds that much output back
     max_logprobs: int = MAX_LOGPROBS  # alternatives per token (vLLM's --max-logprobs)
+    max_embedding_inputs: int = 2048  # inputs of one embeddings request (OpenAI's limit)
 
     def __post_init__(self):
         for f in fields(self):
@@ -39,10 +40,17 @@ class RequestLimits:
             raise APIError(400, f"{of}: more than this server's limit of {self.max_choices} per request (--max-choices)",
                            param=param, code="too_many_choices")
 
-    def check_prompt_tokens(self, total: int, param: str) -> None:
+    def check_embedding_inputs(self, n: int, param: str = "input") -> None:
+        if n > self.max_embedding_inputs:
+            raise APIError(400, f"{param} has {n} inputs: more than this server's limit of {self.max_embedding_inputs}"
+                           " per request (--max-embedding-inputs)", param=param, code="too_many_inputs")
+
+    def check_prompt_tokens(self, total: int, param: str, what: str = "prompts") -> None:
+        """what: "prompts" (n choices each, counted in total) or "inputs" (an embeddings request's)."""
         if total > self.max_prompt_tokens:
-            raise APIError(400, f"the request's prompts come to {total} tokens over all its choices: more than this"
-                           f" server's limit of {self.max_prompt_tokens} per request (--max-prompt-tokens)",
+            over = " over all its choices" if what == "prompts" else ""
+            raise APIError(400, f"the request's {what} come to {total} tokens{over}: more than this server's limit"
+                           f" of {self.max_prompt_tokens} per request (--max-prompt-tokens)",
                            param=param, code="too_many_prompt_tokens")
 
     def check_logit_bias(self, entries: int, param: str = "logit_bias") -> None:

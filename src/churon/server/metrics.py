@@ -1,7 +1,7 @@
 """The server's Prometheus metrics, written in the text exposition format by hand.
 
 Counters and histograms the server itself observes (requests by status code, tokens, time
-to first token, inter-token latency), plus gauges read from the engine at scrape time
+to first token, inter-token latency, embedding requests and their tokens), plus gauges read from the engine at scrape time
 (running and waiting requests, KV-cache usage, prefix-cache hit rate, preemptions).
 Format: https://prometheus.io/docs/instrumenting/exposition_formats/
 """
@@ -48,6 +48,8 @@ class ServerMetrics:
         self.generation_tokens = 0
         self.time_to_first_token = Histogram()
         self.inter_token_latency = Histogram()
+        self.embedding_requests = 0  # /v1/embeddings requests answered with their vectors
+        self.embedding_tokens = 0  # the tokens those requests' inputs came to
 
     def render(self, engine_stats: EngineStats | None) -> str:
         """The exposition text; engine_stats (AsyncLLMEngine.stats()) is None while the model loads."""
@@ -68,6 +70,10 @@ class ServerMetrics:
                self.time_to_first_token.lines("churon_time_to_first_token_seconds"))
         family("churon_inter_token_latency_seconds", "histogram", "Between two consecutive tokens of one request.",
                self.inter_token_latency.lines("churon_inter_token_latency_seconds"))
+        family("churon_embedding_requests_total", "counter", "Embedding requests answered with their vectors.",
+               [f"churon_embedding_requests_total {self.embedding_requests}"])
+        family("churon_embedding_tokens_total", "counter", "Input tokens of the embedding requests answered.",
+               [f"churon_embedding_tokens_total {self.embedding_tokens}"])
         if engine_stats is not None:
             s = engine_stats
             family("churon_num_requests_running", "gauge", "Requests in the running batch.",

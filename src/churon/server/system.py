@@ -1,5 +1,5 @@
 """The routes that belong to no API: /health for liveness probes and load balancers, /metrics for
-Prometheus. /health answers 503 until the model is loaded; /metrics answers from the start."""
+Prometheus. /health answers 503 until every served model is loaded; /metrics answers from the start."""
 
 from __future__ import annotations
 
@@ -22,5 +22,6 @@ async def health(state: ServerState = Depends(server_state)) -> JSONResponse:
 @router.get("/metrics")
 async def prometheus(state: ServerState = Depends(server_state)) -> PlainTextResponse:
     # stats() waits for the engine's lock, held during a step: off the event loop
-    stats = await asyncio.to_thread(state.engine.stats) if state.engine is not None else None
+    engine = state.generation_engine()
+    stats = await asyncio.to_thread(engine.stats) if engine is not None else None
     return PlainTextResponse(state.metrics.render(stats), media_type="text/plain; version=0.0.4")

@@ -15,7 +15,6 @@ from churon.server.anthropic.protocol import CountTokensRequest, MessagesRequest
 from churon.server.anthropic.streaming import message_events, sse
 from churon.server.errors import APIError
 from churon.server.generation import EngineRequest, finish_generation, start_generation
-from churon.server.openai.models import check_model
 from churon.server.state import ServerState, server_state
 
 router = APIRouter()
@@ -26,8 +25,8 @@ _FIELD_NAMES = {"stop": "stop_sequences"}
 
 @router.post("/v1/messages")
 async def create_message(body: MessagesRequest, request: Request, state: ServerState = Depends(server_state)):
-    llm, _ = state.ready()
-    check_model(state, body.model)
+    served = state.model(body.model, "generate")
+    llm = served.llm
     if body.max_tokens < 1:
         raise APIError(400, f"max_tokens={body.max_tokens}: must be >= 1", param="max_tokens")
     stops = body.stop_sequences or []
@@ -40,7 +39,7 @@ async def create_message(body: MessagesRequest, request: Request, state: ServerS
     except ValueError as e:
         named = re.match(r"invalid sampling parameter (\w+)=", str(e))
         raise APIError(400, str(e), param=_FIELD_NAMES.get(named.group(1), named.group(1)) if named else None)
-    generation = await start_generation(request, state, [EngineRequest(prompt.ids, params)], prompt_param="messages")
+    generation = await start_generation(request, state, served, [EngineRequest(prompt.ids, params)], prompt_param="messages")
     id, model = render.new_id("msg"), body.model
     if body.stream:
         return sse(message_events(generation, prompt.plan, id, model, body.max_tokens, stops, llm.tokenizer))
@@ -53,6 +52,5 @@ async def create_message(body: MessagesRequest, request: Request, state: ServerS
 
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(body: CountTokensRequest, state: ServerState = Depends(server_state)) -> dict[str, Any]:
-    llm, _ = state.ready()
-    check_model(state, body.model)
+    llm = state.model(body.model, "generate").llm
     return {"input_tokens": len((await build_prompt(llm, body)).ids)}

@@ -4,10 +4,11 @@
     sampling.py      a body's sampling fields -> SamplingParams
     render.py        engine outputs in OpenAI's response shapes
     streaming.py     server-sent events ending in `data: [DONE]`
-    models.py        GET /v1/models, and check_model for a request's `model`
+    models.py        GET /v1/models, GET /v1/models/{id}
     tokenization.py  POST /tokenize, /detokenize
     chat.py          POST /v1/chat/completions
     completions.py   POST /v1/completions
+    embeddings.py    POST /v1/embeddings
     responses.py     POST /v1/responses (the Responses API), GET and DELETE /v1/responses/{id}
     responses_protocol.py  its request body; response_store.py  the responses kept, for previous_response_id
 
@@ -18,8 +19,8 @@ generation.py.
 
 from fastapi import APIRouter
 
-from churon.server.openai import chat, completions, models, responses, tokenization
+from churon.server.openai import chat, completions, embeddings, models, responses, tokenization
 
 router = APIRouter()
-for module in (models, tokenization, chat, completions, responses):
+for module in (models, tokenization, chat, completions, embeddings, responses):
     router.include_router(module.router)

@@ -14,7 +14,6 @@ from churon.server.errors import APIError
 from churon.server.generation import EngineRequest, Generation, finish_generation, start_generation
 from churon.server.offload import build_plan
 from churon.server.openai import render
-from churon.server.openai.models import check_model
 from churon.server.openai.protocol import ChatCompletionRequest, ChatMessage, StreamOptions
 from churon.server.openai.sampling import check_request, response_format_schema, sampling_params
 from churon.server.openai.streaming import sse
@@ -71,8 +70,8 @@ def _finish_reason(reason: str, has_calls: bool) -> str:
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request, state: ServerState = Depends(server_state)):
-    llm, _ = state.ready()
-    check_model(state, body.model)
+    served = state.model(body.model, "generate")
+    llm = served.llm
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -98,8 +97,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
     if plan.grammar is not None:
         params = [dataclasses.replace(p, json_schema=None, grammar=plan.grammar) for p in params]
     requests = [EngineRequest(prompt_ids, p) for p in params]
-    generation = await start_generation(request, state, requests, prompt_param="messages")
-    id, tokenizer, model = render.new_id("chatcmpl"), llm.tokenizer, state.model_name
+    generation = await start_generation(request, state, served, requests, prompt_param="messages")
+    id, tokenizer, model = render.new_id("chatcmpl"), llm.tokenizer, served.name
     if body.stream:
         return sse(_chat_stream(generation, id, model, tokenizer, plan, logprobs is not None,
                                 body.stream_options or StreamOptions()))

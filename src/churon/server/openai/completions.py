@@ -13,7 +13,6 @@ from churon.server.errors import APIError
 from churon.server.generation import EngineRequest, Generation, finish_generation, start_generation
 from churon.server.offload import off_loop
 from churon.server.openai import render
-from churon.server.openai.models import check_model
 from churon.server.openai.protocol import CompletionRequest, StreamOptions
 from churon.server.openai.sampling import check_request, sampling_params
 from churon.server.openai.streaming import sse
@@ -25,8 +24,8 @@ router = APIRouter()
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request, state: ServerState = Depends(server_state)):
-    llm, _ = state.ready()
-    check_model(state, body.model)
+    served = state.model(body.model, "generate")
+    llm = served.llm
     state.limits.check_choices(body.n, _count(body.prompt))
     check_request(body, state.limits, body.logprobs, "logprobs")
     prompts = await off_loop(_prompts, body.prompt, llm)
@@ -45,7 +44,7 @@ async def completions(body: CompletionRequest, request: Request, state: ServerSt
         EngineRequest(ids, sampling_params(body, j, run_tokens, body.logprobs, body.logprobs if want_prompt_logprobs else None))
         for ids, _ in prompts for j in range(body.n)
     ]
-    id, tokenizer, model = render.new_id("cmpl"), llm.tokenizer, state.model_name
+    id, tokenizer, model = render.new_id("cmpl"), llm.tokenizer, served.name
     prompt_tokens = sum(len(ids) for ids, _ in prompts)
     if max_tokens == 0 and not want_prompt_logprobs:
         for r in requests:  # nothing to run, but a bad prompt is still a 400
@@ -53,7 +52,7 @@ async def completions(body: CompletionRequest, request: Request, state: ServerSt
         choices = [render.completion_choice(i, prompts[i // body.n][1] if body.echo else "", "length", None)
                    for i in range(len(requests))]
         return render.completion_response(id, model, choices, render.usage(prompt_tokens, 0))
-    generation = await start_generation(request, state, requests, prompt_param="prompt")
+    generation = await start_generation(request, state, served, requests, prompt_param="prompt")
     if body.stream:
         return sse(_completion_stream(generation, id, model, tokenizer, body, prompts, body.stream_options or StreamOptions()))
     outputs = await finish_generation(request, generation)

@@ -1,5 +1,5 @@
-"""The served model: GET /v1/models lists it, GET /v1/models/{id} retrieves it, and check_model refuses a
-request that names another."""
+"""The served models: GET /v1/models lists them (a text-generation model, an embedding model, or both),
+GET /v1/models/{id} retrieves one. A request's `model` is looked up by ServerState.model."""
 
 from __future__ import annotations
 
@@ -7,30 +7,24 @@ from typing import Any
 
 from fastapi import APIRouter, Depends
 
-from churon.server.errors import APIError
-from churon.server.state import ServerState, server_state
+from churon.server.state import ServedModel, ServerState, server_state
 
 router = APIRouter()
 
 
-def check_model(state: ServerState, name: str | None) -> None:
-    if name is not None and name != state.model_name:
-        raise APIError(404, f"the model {name!r} does not exist: this server serves {state.model_name!r}",
-                       param="model", code="model_not_found", type="not_found_error")
-
-
-def _model_card(state: ServerState) -> dict[str, Any]:
-    llm, _ = state.ready()
-    return {"id": state.model_name, "object": "model", "created": 0, "owned_by": "churon", "max_model_len": llm.max_model_len}
+def _model_card(served: ServedModel) -> dict[str, Any]:
+    llm = served.llm
+    card = {"id": served.name, "object": "model", "created": 0, "owned_by": "churon"}
+    if served.task == "embed":  # the longest input it embeds, and its vectors' length
+        return {**card, "max_model_len": llm.max_embed_len, "task": "embed", "dimensions": llm.embedding_dim}
+    return {**card, "max_model_len": llm.max_model_len, "task": "generate"}
 
 
 @router.get("/v1/models")
 async def models(state: ServerState = Depends(server_state)) -> dict[str, Any]:
-    return {"object": "list", "data": [_model_card(state)]}
+    return {"object": "list", "data": [_model_card(m) for m in state.ready()]}
 
 
 @router.get("/v1/models/{model:path}")  # :path: a served name may hold slashes ("HuggingFaceTB/SmolLM2-135M")
 async def model(model: str, state: ServerState = Depends(server_state)) -> dict[str, Any]:
-    card = _model_card(state)
-    check_model(state, model)
-    return card
+    return _model_card(state.named(model))

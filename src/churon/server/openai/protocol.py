@@ -1,7 +1,7 @@
 """The OpenAI API's request bodies as pydantic models.
 
-Field names are OpenAI's (plus vLLM's /tokenize and /detokenize and its `ignore_eos`
-vendor field). Strict about the fields they know, lenient about others (RequestModel).
+Field names are OpenAI's (plus vLLM's /tokenize and /detokenize, its `ignore_eos` and
+`truncate_prompt_tokens` vendor fields). Strict about the fields they know, lenient about others (RequestModel).
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ from typing import Any, Literal
 from pydantic import Field
 
 from churon.server.request_model import RequestModel
-
 
 
 class TextPart(RequestModel):
@@ -144,3 +143,12 @@ class TokenizeRequest(RequestModel):
 class DetokenizeRequest(RequestModel):
     model: str | None = None
     tokens: list[int]
+
+
+class EmbeddingRequest(RequestModel):
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None  # only the model's own: churon does not truncate vectors (embeddings.py)
+    user: str | None = None  # accepted, as OpenAI does; churon has no use for it
+    truncate_prompt_tokens: int | None = None  # vLLM's: -1 or k >= 1, see embeddings.py

@@ -23,7 +23,6 @@ from churon.sampling import SamplingParams
 from churon.server.errors import APIError
 from churon.server.generation import EngineRequest, Generation, finish_generation, start_generation
 from churon.server.offload import build_plan
-from churon.server.openai.models import check_model
 from churon.server.openai.response_store import ResponseStore, StoredResponse
 from churon.server.openai.responses_protocol import (
     FunctionCallItem,
@@ -284,8 +283,8 @@ def _status(result: CompletionOutput) -> str:
 @router.post("/v1/responses")
 async def create_response(body: ResponsesRequest, request: Request, state: ServerState = Depends(server_state),
                           store: ResponseStore = Depends(response_store)):
-    llm, _ = state.ready()
-    check_model(state, body.model)
+    served = state.model(body.model, "generate")
+    llm = served.llm
     history: list[dict[str, Any]] = []
     if body.previous_response_id is not None:
         previous = store.get(body.previous_response_id)
@@ -305,8 +304,9 @@ async def create_response(body: ResponsesRequest, request: Request, state: Serve
     elif max_tokens < 1:
         raise APIError(400, f"max_output_tokens={max_tokens}: must be >= 1", param="max_output_tokens")
     params = _sampling_params(body, max_tokens, plan.grammar)
-    generation = await start_generation(request, state, [EngineRequest(plan.prompt_ids, params)], prompt_param="input")
-    builder = ResponseBuilder(body, state.model_name, len(plan.prompt_ids))
+    generation = await start_generation(request, state, served, [EngineRequest(plan.prompt_ids, params)],
+                                        prompt_param="input")
+    builder = ResponseBuilder(body, served.name, len(plan.prompt_ids))
 
     def keep(response: dict[str, Any], items: list[dict[str, Any]]) -> None:
         if body.store:

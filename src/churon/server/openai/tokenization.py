@@ -11,7 +11,6 @@ from fastapi import APIRouter, Depends
 from churon.server.errors import APIError
 from churon.server.offload import off_loop
 from churon.server.openai.chat import template_messages
-from churon.server.openai.models import check_model
 from churon.server.openai.protocol import DetokenizeRequest, TokenizeRequest
 from churon.server.state import ServerState, server_state
 
@@ -20,8 +19,7 @@ router = APIRouter()
 
 @router.post("/tokenize")
 async def tokenize(body: TokenizeRequest, state: ServerState = Depends(server_state)) -> dict[str, Any]:
-    llm, _ = state.ready()
-    check_model(state, body.model)
+    llm = state.model(body.model, "generate").llm
     if (body.prompt is None) == (body.messages is None):
         raise APIError(400, "give exactly one of prompt and messages", param="prompt")
     if body.messages is not None:
@@ -39,8 +37,7 @@ async def tokenize(body: TokenizeRequest, state: ServerState = Depends(server_st
 
 @router.post("/detokenize")
 async def detokenize(body: DetokenizeRequest, state: ServerState = Depends(server_state)) -> dict[str, Any]:
-    llm, _ = state.ready()
-    check_model(state, body.model)
+    llm = state.model(body.model, "generate").llm
     vocab = llm.config.vocab_size
     bad = [t for t in body.tokens if not 0 <= t < vocab]
     if bad:
@@ -51,7 +48,7 @@ async def detokenize(body: DetokenizeRequest, state: ServerState = Depends(serve
 @router.get("/tokenizer_info")
 async def tokenizer_info(state: ServerState = Depends(server_state)) -> dict[str, Any]:
     """vLLM's shape: the tokenizer_config.json fields and tokenizer_class (here churon's own Tokenizer)."""
-    llm, _ = state.ready()
+    llm = state.model(None, "generate").llm
     tokenizer = llm.tokenizer
     info = {
         "tokenizer_class": type(tokenizer).__name__,
