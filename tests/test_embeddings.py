@@ -92,10 +92,11 @@ def test_gguf_encoder_equals_the_hf_directory(tiny_bert_dir, reference_llm, tmp_
 
 @native_only
 def test_native_vectors_are_close_to_the_reference(native_llm, reference_llm, st_model):
+    """Q8_0 weights (quantized at load) and 8-bit activations: the issue's floor for the native path."""
     got = torch.tensor(native_llm.embed(TEXTS))
-    want = torch.tensor(st_model.encode(TEXTS))
-    assert F.cosine_similarity(got, want).min() >= 0.9999
-    assert relative_error(got, torch.tensor(reference_llm.embed(TEXTS))) <= 1e-3
+    assert F.cosine_similarity(got, torch.tensor(st_model.encode(TEXTS))).min() >= 0.999
+    assert F.cosine_similarity(got, torch.tensor(reference_llm.embed(TEXTS))).min() >= 0.999
+    assert native_llm.model.layers[0].up.layout.startswith("Q8_0")
 
 
 @native_only

@@ -95,6 +95,7 @@ QUERIES = [
     "When did the Berlin Wall come down?",
 ]
 SENTENCES = PASSAGES  # 50 varied sentences: ten topics, questions among the queries
+NEAR_TIE = 0.01  # cosine scores this close may swap places on the native path
 
 
 @pytest.fixture(scope="module")
@@ -129,7 +130,13 @@ def test_vectors_and_ranking_equal_sentence_transformers(minilm, reference_vecto
     got, want = ranking(queries, passages), ranking(want_queries, want_passages)
     if kernels_choice == "reference":
         assert got == want
-    else:  # 8-bit activations may swap passages whose scores tie within their rounding, never the top five
-        assert [r[:5] for r in got] == [r[:5] for r in want]
+    else:
+        # Q8_0 weights and 8-bit activations move scores by a few 1e-3: two passages may swap places only where
+        # the reference scores them within NEAR_TIE of each other
+        ref, ours = want_queries @ want_passages.T, queries @ passages.T
+        ref_gap, our_gap = ref[:, :, None] - ref[:, None, :], ours[:, :, None] - ours[:, None, :]
+        swapped = ref_gap * our_gap < 0
+        assert ref_gap[swapped].abs().le(NEAR_TIE).all(), ref_gap[swapped].abs().max()
+        assert [r[0] for r in got] == [r[0] for r in want]
     # and every query finds a passage of its own topic first
     assert [r[0] // 5 for r in got] == list(range(len(QUERIES)))

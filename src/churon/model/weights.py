@@ -6,8 +6,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
 from churon.formats.gguf import GGUFTensor
-from churon.formats.quants import dequantize
+from churon.formats.quants import dequantize, quantize
 
 # A weight as a loader hands it over: GGUF bytes, or a float tensor (Hugging Face checkpoints).
 RawWeight = GGUFTensor | torch.Tensor
@@ -26,3 +28,11 @@ def concat_rows(parts: list[RawWeight]) -> RawWeight:
         data = np.concatenate([p.data for p in parts])
         return GGUFTensor("+".join(p.name for p in parts), (rows, parts[0].shape[1]), parts[0].qtype, data)
     return torch.cat([dense(p) for p in parts])
+
+
+def quantized(w: RawWeight, qtype: GGMLQuantizationType, name: str) -> RawWeight:
+    """A float weight as GGUF blocks of qtype, when its rows split into whole blocks; GGUF weights as stored."""
+    if isinstance(w, GGUFTensor) or w.shape[-1] % GGML_QUANT_SIZES[qtype][0]:
+        return w
+    t = dense(w)
+    return GGUFTensor(name, tuple(t.shape), qtype, quantize(t, qtype).reshape(-1))
