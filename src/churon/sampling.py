@@ -1,9 +1,9 @@
 """SamplingParams and the per-request Sampler: logits processors, then a seeded draw.
 
-Order, as vLLM and llama.cpp apply them: repetition / presence / frequency penalties and
-logit bias on the raw logits; then the structured-output mask (tokens the grammar forbids
-go to -inf); then temperature; then top-k, top-p and min-p filtering; then a draw from the
-remaining distribution. Temperature 0 is exact argmax.
+Order, as vLLM and llama.cpp apply them: repetition / presence / frequency penalties (over the last
+repeat_last_n tokens, llama.cpp's window) and logit bias on the raw logits; then the structured-output
+mask (tokens the grammar forbids go to -inf); then temperature; then top-k, top-p and min-p filtering;
+then a draw from the remaining distribution. Temperature 0 is exact argmax.
 
 No request's parameters can make its distribution non-finite: penalties and biases are bounded, a
 temperature below MIN_TEMPERATURE samples at MIN_TEMPERATURE (vLLM's floor) and top-p always keeps
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import secrets
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -46,6 +47,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # over prompt and output tokens, as llama.cpp's repeat penalty
     presence_penalty: float = 0.0  # over output tokens, as OpenAI's
     frequency_penalty: float = 0.0
+    # the penalties see only the last N tokens of the sequence (prompt and output; presence and frequency still
+    # count output tokens only), as Ollama's and llama.cpp's repeat_last_n: 0 disables them, -1 is every token
+    repeat_last_n: int = -1
     logit_bias: dict[int, float] = field(default_factory=dict)
     seed: int | None = None
     stop: list[str] = field(default_factory=list)  # stop strings, not emitted
@@ -75,6 +79,8 @@ class SamplingParams:
                self.repetition_penalty, f"in [{low}, {high}]")
         _check(_finite(self.presence_penalty) and -2 <= self.presence_penalty <= 2, "presence_penalty", self.presence_penalty, "in [-2, 2]")
         _check(_finite(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2, "frequency_penalty", self.frequency_penalty, "in [-2, 2]")
+        _check(isinstance(self.repeat_last_n, int) and not isinstance(self.repeat_last_n, bool) and self.repeat_last_n >= -1,
+               "repeat_last_n", self.repeat_last_n, "an integer >= -1 (0 disables the penalties, -1: every token)")
         _check(all(s for s in self.stop), "stop", self.stop, "non-empty strings")
         _check(self.seed is None or isinstance(self.seed, int), "seed", self.seed, "an integer")
         for token, bias in self.logit_bias.items():
@@ -121,11 +127,18 @@ class Sampler:
                 raise ValueError(f"invalid token id {token} in sampling parameters: vocabulary has {vocab_size} tokens")
         self.generator = torch.Generator().manual_seed(params.seed if params.seed is not None else secrets.randbits(63))
         # token counts only where a penalty reads them (keeping them costs two tensor ops per token)
-        self.counting = params.repetition_penalty != 1.0 or bool(params.presence_penalty or params.frequency_penalty)
+        penalties = params.repetition_penalty != 1.0 or bool(params.presence_penalty or params.frequency_penalty)
+        self.counting = penalties and params.repeat_last_n != 0
+        # the last repeat_last_n tokens, (token, generated?) each, to take out of the counts as they leave the window
+        self.window: deque[tuple[int, bool]] | None = deque() if self.counting and params.repeat_last_n > 0 else None
+        self.counts = torch.zeros(vocab_size if self.counting else 0, dtype=torch.float32)  # prompt and output tokens
         self.output_counts = torch.zeros(vocab_size if self.counting else 0, dtype=torch.float32)
-        self.seen = torch.zeros(vocab_size if self.counting else 0, dtype=torch.bool)  # prompt and output tokens
-        if self.counting and len(prompt_ids):
-            self.seen[torch.as_tensor(list(prompt_ids), dtype=torch.long)] = True
+        if self.counting:
+            recent = list(prompt_ids)[-params.repeat_last_n:] if self.window is not None else list(prompt_ids)
+            if recent:
+                self.counts += torch.bincount(torch.as_tensor(recent, dtype=torch.long), minlength=vocab_size)[:vocab_size]
+            if self.window is not None:
+                self.window.extend((token, False) for token in recent)
         self.bias = None
         if params.logit_bias:
             self.bias = torch.zeros(vocab_size)
@@ -133,9 +146,17 @@ class Sampler:
                 self.bias[token] = value
 
     def accept(self, token: int) -> None:
-        if self.counting:
-            self.output_counts[token] += 1
-            self.seen[token] = True
+        if not self.counting:
+            return
+        self.counts[token] += 1
+        self.output_counts[token] += 1
+        if self.window is not None:
+            self.window.append((token, True))
+            if len(self.window) > self.params.repeat_last_n:
+                old, generated = self.window.popleft()
+                self.counts[old] -= 1
+                if generated:
+                    self.output_counts[old] -= 1
 
     def __call__(self, logits: torch.Tensor, allowed: torch.Tensor | None = None) -> int:
         """logits: float32 [vocab] (may be wider than the vocabulary: padding columns are ignored).
@@ -145,14 +166,14 @@ class Sampler:
         """
         p = self.params
         logits = raw = logits[: self.vocab_size]
-        edits = p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty or self.bias is not None
-        if p.greedy and not edits and allowed is None:
+        if p.greedy and not self.counting and self.bias is None and allowed is None:
             return self._argmax(logits, raw, allowed)
         logits = logits.clone()  # the steps below edit it in place
-        if p.repetition_penalty != 1.0:
-            penalized = logits[self.seen]
-            logits[self.seen] = torch.where(penalized > 0, penalized / p.repetition_penalty, penalized * p.repetition_penalty)
-        if p.presence_penalty or p.frequency_penalty:
+        if self.counting and p.repetition_penalty != 1.0:
+            seen = self.counts > 0
+            penalized = logits[seen]
+            logits[seen] = torch.where(penalized > 0, penalized / p.repetition_penalty, penalized * p.repetition_penalty)
+        if self.counting and (p.presence_penalty or p.frequency_penalty):
             logits -= p.presence_penalty * (self.output_counts > 0) + p.frequency_penalty * self.output_counts
         if self.bias is not None:
             logits += self.bias

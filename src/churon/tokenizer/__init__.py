@@ -6,6 +6,7 @@ template, and the detokenizer that streams a request's text and finds its stop s
                       BERT's WordPiece)
     hf_dir.py         from_hf_dir: tokenizer.json and its companion files
     chat_template.py  sandboxed jinja2 templates
+    go_template.py    Ollama's Go-template prompt templates translated to a Jinja chat template
     detokenizer.py    Detokenizer: incremental text and stop strings in one update()
 """
 

@@ -105,6 +105,10 @@ class ChatTemplate:
             _budget.reset(token)
         return "".join(pieces)
 
+    def check(self) -> None:
+        """Compile it now (a template given by a user is checked when it is given): ChatTemplateError if it does not."""
+        self._compile()
+
     def _compile(self):
         if self._compiled is None:
             try:

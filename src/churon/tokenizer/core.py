@@ -53,7 +53,7 @@ class Tokenizer:
         self.eog_ids = eog_ids
         self.add_bos = add_bos
         self.add_eos = add_eos  # an encoder's tokenizer ends every text with its EOS (BERT: [SEP])
-        self.chat_template = chat_template
+        self._chat_template_text = chat_template
         # GGUF only: the bytes of every token, the ids dropped by skip_special_tokens, and
         # whether decoding drops the space SentencePiece put in front of the text.
         self._piece_bytes = piece_bytes
@@ -181,6 +181,17 @@ class Tokenizer:
 
     # --- chat template ----------------------------------------------------------------
 
+    @property
+    def chat_template(self) -> str | None:
+        """The model's Jinja chat template (None: it has none)."""
+        return self._chat_template_text
+
+    @chat_template.setter
+    def chat_template(self, text: str | None) -> None:
+        """Another template in place of the model file's (a created model's TEMPLATE); compiled on first use."""
+        self._chat_template_text = text
+        self._template = None
+
     def apply_chat_template(
         self, messages: list[dict[str, str]], add_generation_prompt: bool = True, **kwargs: Any
     ) -> str:
@@ -196,7 +207,7 @@ class Tokenizer:
 
     def _chat_template(self) -> ChatTemplate:
         if self._template is None:
-            text = self.chat_template
+            text = self._chat_template_text
             if text is None:
                 if self._hf.token_to_id("<|im_start|>") is None or self._hf.token_to_id("<|im_end|>") is None:
                     raise ChatTemplateError(
