@@ -71,7 +71,7 @@ def test_a_recipe_inherits_what_it_leaves_out():
     ("FROM a\nPARAMETER top_k 1.5\n", "line 2 (PARAMETER): top_k='1.5': must be an integer"),
     ("FROM a\nPARAMETER top_p 2\n", "line 2 (PARAMETER): top_p='2': must be in (0, 1]"),
     ("FROM a\nPARAMETER colour blue\n", "line 2 (PARAMETER): unknown option 'colour'"),
-    ("FROM a\nPARAMETER num_gpu 1\n", "line 2 (PARAMETER): num_gpu is an Ollama option churon does not implement"),
+    ("FROM a\nPARAMETER mirostat 1\n", "line 2 (PARAMETER): mirostat is an Ollama option churon does not implement"),
     ("FROM a\nPARAMETER temperature\n", "line 2 (PARAMETER temperature): a value is missing"),
     ("FROM a\nMESSAGE bot hello\n", "line 2 (MESSAGE): role 'bot': must be one of system, user, assistant"),
     ("FROM a\nADAPTER ./lora.gguf\n", "line 2 (ADAPTER): ADAPTER needs LoRA support, which churon does not have yet"),
@@ -325,3 +325,14 @@ def test_go_templates_outside_the_subset_are_refused_naming_the_line_and_what_th
     with pytest.raises(GoTemplateError) as e:
         to_jinja(template)
     assert message in str(e.value)
+
+
+def test_runtime_options_are_ignored_and_said_once(caplog, monkeypatch):
+    """num_gpu, num_thread, ... tune how Ollama runs llama.cpp, not what it answers: clients send them."""
+    import churon.ollama_options
+
+    monkeypatch.setattr(churon.ollama_options, "_ignored", set())
+    with caplog.at_level("WARNING", logger="churon"):
+        assert check_options({"num_thread": 8, "num_gpu": 99, "temperature": 0}, "options") == {"temperature": 0.0}
+        check_options({"num_thread": 4}, "options")
+    assert sum("num_thread" in r.message for r in caplog.records) == 1

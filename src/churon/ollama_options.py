@@ -9,9 +9,12 @@ context, repeat_last_n 0 disables the penalties and -1 lets them see the whole c
 from __future__ import annotations
 
 import json
+import logging
 import math
 import sys
 from typing import Any, Mapping
+
+log = logging.getLogger("churon")
 
 OPTIONS: dict[str, type] = {
     "num_ctx": int,
@@ -27,10 +30,14 @@ OPTIONS: dict[str, type] = {
     "seed": int,
     "stop": list,
 }
-# Options Ollama has and churon does not implement: named as such in the error, not as unknown words
-OLLAMA_ONLY = ("num_keep", "typical_p", "tfs_z", "mirostat", "mirostat_tau", "mirostat_eta", "penalize_newline",
-               "num_batch", "num_gpu", "main_gpu", "num_thread", "numa", "use_mmap", "use_mlock", "low_vram", "f16_kv",
-               "logits_all", "vocab_only")
+# Sampling options Ollama has and churon does not implement: they would change the output, so they are refused,
+# named as such in the error rather than as unknown words
+OLLAMA_ONLY = ("num_keep", "typical_p", "tfs_z", "mirostat", "mirostat_tau", "mirostat_eta", "penalize_newline")
+# How llama.cpp runs under Ollama (GPU layers, threads, mmap): they do not change the output, and clients send them
+# (Open WebUI's settings page has them), so they are ignored, said once per name
+RUNTIME_ONLY = ("num_batch", "num_gpu", "main_gpu", "num_thread", "numa", "use_mmap", "use_mlock", "low_vram",
+                "f16_kv", "logits_all", "vocab_only")
+_ignored: set[str] = set()
 # What each option may be: (test, what the error says it must be)
 _RANGES = {
     "num_ctx": (lambda v: v >= 2, "an integer >= 2"),
@@ -58,6 +65,11 @@ def check_options(options: Mapping[str, Any], where: str) -> dict[str, Any]:
         raise ValueError(f"{where}: options must be an object of option names and values, not {options!r}")
     checked = {}
     for name, value in options.items():
+        if name in RUNTIME_ONLY:
+            if name not in _ignored:
+                _ignored.add(name)
+                log.warning("%s: %s tunes how Ollama runs llama.cpp; churon ignores it", where, name)
+            continue
         if name not in OPTIONS:
             if name in OLLAMA_ONLY:
                 raise ValueError(f"{where}: {name} is an Ollama option churon does not implement"
