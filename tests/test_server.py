@@ -8,10 +8,12 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import re
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -38,7 +40,11 @@ def start_server(model_path, *flags: str):
     port = free_port()
     cmd = [sys.executable, "-m", "churon.cli", "serve", str(model_path), "--port", str(port), "--threads", "1",
            "--served-model-name", MODEL, "--log-level", "warning", *flags]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    # an empty model cache unless the test set one: the server serves what the test gives it, not what this
+    # machine has pulled
+    env = dict(os.environ)
+    env.setdefault("CHURON_HOME", tempfile.mkdtemp(prefix="churon-home-"))
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:

@@ -324,7 +324,8 @@ def test_an_embedding_model_alone(app, embedder):
 
     models, chat_default, chat_named, metrics_page = asyncio.run(main())
     assert models.json()["data"] == [{"id": EMBED, "object": "model", "created": 0, "owned_by": "churon", "task": "embed",
-                                      "max_model_len": embedder.max_embed_len, "dimensions": embedder.embedding_dim}]
+                                      "max_model_len": embedder.max_embed_len, "dimensions": embedder.embedding_dim,
+                                      "loaded": True, "expires_at": None}]
     for r in (chat_default, chat_named):
         assert r.status_code == 400 and r.json()["error"]["message"] == "'bert' is an embedding model; use /v1/embeddings"
     assert metrics_page.status_code == 200 and "churon_embedding_requests_total" in metrics_page.text

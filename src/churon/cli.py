@@ -1,4 +1,5 @@
-"""The `churon` command: pull, list, run, chat, embed, inspect, serve, bench, quantize, eval."""
+"""The `churon` command: pull, list, run, chat, embed, inspect, serve, bench, quantize, eval; create, show, rm, cp
+and ps for created models (Ollama's Modelfiles) and a running server's loaded ones."""
 
 from __future__ import annotations
 
@@ -15,48 +16,84 @@ from churon.registry import DEFAULT_MODEL, REGISTRY, cached_models, pull_model, 
 KV_DTYPE_ARGS = {"f32": "float32", "bf16": "bfloat16", "f16": "float16", "i8": "int8"}
 
 
+# The sampling flags' defaults. A flag left out is None (stop: []), so that a created model's PARAMETERs come
+# between the two: a flag given, else the model's PARAMETER, else this default.
+SAMPLING_DEFAULTS = {"max_tokens": 512, "temperature": 0.7, "top_k": 40, "top_p": 0.95, "min_p": 0.05,
+                     "repetition_penalty": 1.0, "seed": None, "stop": []}
+
+
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", type=int, default=512, help="most tokens to generate (default 512)")
-    p.add_argument("--temperature", type=float, default=0.7, help="0 is greedy (default 0.7)")
-    p.add_argument("--top-k", type=int, default=40, help="0 disables (default 40)")
-    p.add_argument("--top-p", type=float, default=0.95, help="(default 0.95)")
-    p.add_argument("--min-p", type=float, default=0.05, help="(default 0.05)")
-    p.add_argument("--repeat-penalty", dest="repetition_penalty", metavar="REPEAT_PENALTY", type=float, default=1.0,
-                   help="1 disables (default 1.0)")  # llama.cpp's flag, SamplingParams' name
+    d = SAMPLING_DEFAULTS
+    p.add_argument("--max-tokens", type=int, default=None, help=f"most tokens to generate (default {d['max_tokens']})")
+    p.add_argument("--temperature", type=float, default=None, help=f"0 is greedy (default {d['temperature']})")
+    p.add_argument("--top-k", type=int, default=None, help=f"0 disables (default {d['top_k']})")
+    p.add_argument("--top-p", type=float, default=None, help=f"(default {d['top_p']})")
+    p.add_argument("--min-p", type=float, default=None, help=f"(default {d['min_p']})")
+    p.add_argument("--repeat-penalty", dest="repetition_penalty", metavar="REPEAT_PENALTY", type=float, default=None,
+                   help=f"1 disables (default {d['repetition_penalty']})")  # llama.cpp's flag, SamplingParams' name
     p.add_argument("--seed", type=int, default=None, help="same seed and prompt give the same text")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable); not printed")
-    p.add_argument("--system", default=None, help="system message for chat-templated models")
+    p.add_argument("--system", default=None, help="system message for chat-templated models (a created model's SYSTEM"
+                   " otherwise)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: physical cores)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="activations (bfloat16: reference kernels)")
     p.add_argument("--kernels", default="auto", choices=["auto", "native", "reference"],
                    help="native CPU kernels, or the plain PyTorch reference (default: native when built)")
 
 
-def _sampling_params(args):
+def _sampling_params(args, created=None):
+    """The flags given (named as SamplingParams' fields), over a created model's PARAMETERs, over SAMPLING_DEFAULTS."""
+    from churon.ollama_options import sampling_kwargs
     from churon.sampling import SamplingParams
 
-    return SamplingParams.from_fields(args)  # the flags of _add_sampling_args, named as SamplingParams' fields
+    given = {name: getattr(args, name) for name in SAMPLING_DEFAULTS if getattr(args, name) not in (None, [])}
+    parameters = sampling_kwargs(created.parameters) if created is not None else {}
+    return SamplingParams(**(SAMPLING_DEFAULTS | parameters | given))
 
 
-def _load(args):
-    """The model of `churon run` / `chat`, loaded to generate text."""
+def _created(model: str | None):
+    """The created model a `run` / `chat` names, or None (a registry name, a path)."""
+    from churon.model_store import get_model
+
+    return get_model(model or DEFAULT_MODEL)
+
+
+def _load(args, created=None):
+    """The model of `churon run` / `chat`, loaded to generate text; a created model on its base, with its num_ctx
+    and its TEMPLATE as the chat template."""
     from churon.errors import TaskError
     from churon.llm import LLM
+    from churon.model_store import resolve
 
     model = args.model or DEFAULT_MODEL
+    path = resolve(created.name)[0] if created is not None else model
+    num_ctx = created.parameters.get("num_ctx") if created is not None else None
     try:
-        return LLM(model, task="generate", dtype=args.dtype, kernels=args.kernels, threads=args.threads)
+        llm = LLM(path, task="generate", dtype=args.dtype, kernels=args.kernels, threads=args.threads,
+                  **({"max_model_len": num_ctx} if num_ctx is not None else {}))
     except TaskError as e:
         raise TaskError(f"{e}: `churon {args.command}` needs a text-generation model (`churon embed {model} TEXT`"
                         " embeds text with this one)") from None
+    if created is not None and created.template is not None:
+        llm.tokenizer.chat_template = created.template
+    return llm
+
+
+def _opening(args, created) -> list[dict[str, str]]:
+    """What a conversation starts with: the system turn (--system, else a created model's SYSTEM), then a created
+    model's MESSAGEs."""
+    system = args.system if args.system is not None else created.system if created is not None else None
+    seeded = list(created.messages) if created is not None else []
+    return ([{"role": "system", "content": system}] if system else []) + seeded
 
 
 def _is_model(text: str) -> bool:
-    return registry_entry(text) is not None or Path(text).expanduser().exists()
+    from churon.model_store import get_model
+
+    return registry_entry(text) is not None or Path(text).expanduser().exists() or get_model(text) is not None
 
 
 def cmd_run(args) -> int:
-    params = _sampling_params(args)  # validate before the (slow) model load
     positional = list(args.args)
     if len(positional) > 2:
         raise ChuronError("usage: churon run [MODEL] [PROMPT] (quote the prompt)")
@@ -69,12 +106,13 @@ def cmd_run(args) -> int:
         prompt = None if sys.stdin.isatty() else sys.stdin.read()
     if not prompt:
         raise ChuronError("no prompt: give one as an argument or on stdin")
-    llm = _load(args)
+    created = _created(args.model)
+    params = _sampling_params(args, created)  # validate before the (slow) model load
+    llm = _load(args, created)
     if args.raw or not llm.tokenizer.chat_template:
         ids = llm.encode(prompt)  # refuses a prompt (stdin: a whole file) the context can never hold, untokenized
     else:
-        messages = ([{"role": "system", "content": args.system}] if args.system else []) + [{"role": "user", "content": prompt}]
-        ids = llm.chat_prompt_ids(messages)
+        ids = llm.chat_prompt_ids(_opening(args, created) + [{"role": "user", "content": prompt}])
     delta = None
     for delta in llm.stream_deltas(ids, params):
         sys.stdout.write(delta.text)
@@ -96,9 +134,10 @@ def _print_metrics(out) -> None:
 
 
 def cmd_chat(args) -> int:
-    llm = _load(args)
-    params = _sampling_params(args)
-    system = [{"role": "system", "content": args.system}] if args.system else []
+    created = _created(args.model)
+    params = _sampling_params(args, created)
+    llm = _load(args, created)
+    opening = _opening(args, created)
     history: list[dict[str, str]] = []
     print("churon chat: /reset clears the history, /exit (or Ctrl-D) quits, Ctrl-C stops an answer.", file=sys.stderr)
     while True:
@@ -119,7 +158,7 @@ def cmd_chat(args) -> int:
         history.append({"role": "user", "content": line})
         answer = ""
         try:
-            for delta in llm.stream_deltas(llm.chat_prompt_ids(system + history), params):
+            for delta in llm.stream_deltas(llm.chat_prompt_ids(opening + history), params):
                 sys.stdout.write(delta.text)
                 sys.stdout.flush()
                 answer += delta.text
@@ -159,20 +198,177 @@ def cmd_pull(args) -> int:
 
 
 def cmd_list(args) -> int:
-    from churon.loader import open_model
+    from churon.model_store import list_models
 
-    rows = []
-    for path in cached_models():
-        try:
-            m = open_model(path, pull=False)
-            rows.append((path.name, _size(path), m.config.architecture, _quant_type(m)))
-        except ChuronError as e:
-            rows.append((path.name, _size(path), "?", f"unreadable: {e}"))
+    rows = [_list_row(path.name, path) for path in cached_models()]
+    rows += [_list_row(m.name, m.base_path, m.base) for m in list_models()]  # created models, by the base they use
     if not rows:
         print(f"no cached models (known registry models: {', '.join(sorted(REGISTRY))}; `churon pull NAME`)")
         return 0
-    _table(["model", "size", "architecture", "type"], rows)
+    _table(["model", "size", "architecture", "type", "from"], rows)
     return 0
+
+
+def _list_row(name: str, path: Path, base: str = "") -> tuple:
+    from churon.loader import open_model
+
+    if not path.exists():
+        return (name, "?", "?", f"missing: {path}", base)
+    try:
+        m = open_model(path, pull=False)
+        return (name, _size(path), m.config.architecture, _quant_type(m), base)
+    except ChuronError as e:
+        return (name, _size(path), "?", f"unreadable: {e}", base)
+
+
+def cmd_create(args) -> int:
+    from churon.model_store import check_name, create_model
+    from churon.tokenizer.go_template import is_jinja
+
+    check_name(args.name)  # a bad name is the name's error, not the Modelfile's
+    try:
+        text = Path(args.file).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ChuronError(f"-f {args.file}: cannot read the Modelfile: {e}") from None
+    try:
+        model = create_model(args.name, text, base_dir=Path(args.file).resolve().parent)
+    except ValueError as e:
+        raise ChuronError(f"{args.file}: {e}") from None
+    print(f"created {model.name} from {model.base} ({model.base_path})")
+    template = model.recipe.template
+    fields = [
+        ("system", _one_line(model.system) if model.system is not None else None),
+        ("parameters", ", ".join(f"{k} {' '.join(v) if isinstance(v, list) else v}"
+                                 for k, v in model.parameters.items()) or None),
+        ("template", None if template is None else "Jinja" if is_jinja(template) else "Go, translated to Jinja"),
+        ("messages", len(model.messages) or None),
+        ("license", _one_line(model.license) if model.license is not None else None),
+    ]
+    _print_fields([(k, v) for k, v in fields if v is not None] or [("recipe", "none: the base model as it is")])
+    return 0
+
+
+def _one_line(text: str, width: int = 60) -> str:
+    line = text.strip().splitlines()[0] if text.strip() else ""
+    return line[:width] + ("..." if len(line) > width or "\n" in text.strip() else "")
+
+
+def cmd_show(args) -> int:
+    from churon.loader import open_model
+    from churon.model_store import get_model, resolve
+    from churon.modelfile import Modelfile
+    from churon.ollama_options import format_parameters
+
+    created = get_model(args.model)
+    source = open_model(resolve(created.name)[0] if created is not None else args.model, pull=False)
+    if args.modelfile:
+        text = created.modelfile if created is not None else Modelfile(str(source.path), template=_chat_template(source)).text()
+        sys.stdout.write(text)
+    if args.parameters and created is not None and created.parameters:
+        print(format_parameters(created.parameters))
+    if args.template:
+        template = created.recipe.template if created is not None else None
+        print(template if template is not None else _chat_template(source) or "")
+    if args.system and created is not None and created.system is not None:
+        print(created.system)
+    if args.modelfile or args.parameters or args.template or args.system:
+        return 0
+    c = source.config
+    params = _parameters(source)
+    fields = [("model", created.name if created is not None else args.model),
+              ("from", f"{created.base} ({source.path})") if created is not None else ("file", str(source.path)),
+              ("architecture", c.architecture), ("parameters", f"{params:,} ({params / 1e6:.1f} M)"),
+              ("context length", c.context_length), ("embedding length", c.hidden_size),
+              ("quantization", _quant_type(source))]
+    _print_fields(fields)
+    if created is None:
+        return 0
+    sections = [("parameters", format_parameters(created.parameters)), ("system", created.system or ""),
+                ("template", created.recipe.template or ""),
+                ("messages", "\n".join(f"{m['role']}: {m['content']}" for m in created.messages)),
+                ("license", created.license or "")]
+    for title, text in sections:
+        if text:
+            print(f"\n{title}:")
+            print("\n".join("  " + line for line in text.splitlines()))
+    return 0
+
+
+def _chat_template(source) -> str | None:
+    from churon.tokenizer import load_tokenizer
+
+    return load_tokenizer(source).chat_template
+
+
+def cmd_rm(args) -> int:
+    from churon.model_store import get_model, remove_model
+
+    for name in args.models:
+        if get_model(name) is None and registry_entry(name) is not None:
+            raise ChuronError(f"{name} is a registry model, not a created one: churon rm deletes created models"
+                              " (a pulled model's files are in the cache, `churon list` shows them)")
+        remove_model(name)
+        print(f"deleted '{name}'")
+    return 0
+
+
+def cmd_cp(args) -> int:
+    from churon.model_store import copy_model
+
+    copy_model(args.source, args.destination)
+    print(f"copied '{args.source}' to '{args.destination}'")
+    return 0
+
+
+def cmd_ps(args) -> int:
+    import datetime
+
+    import httpx2 as httpx
+
+    url = f"http://{args.host}:{args.port}/api/ps"
+    key = os.environ.get(API_KEY_ENV)
+    try:
+        response = httpx.get(url, headers={"Authorization": f"Bearer {key}"} if key else {}, timeout=10)
+    except httpx.HTTPError as e:
+        raise ChuronError(f"no churon server answers at {url} ({e}); start one with `churon serve`") from None
+    if response.status_code != 200:
+        raise ChuronError(f"{url}: HTTP {response.status_code}: {response.text.strip()[:200]}")
+    now = datetime.datetime.now(datetime.timezone.utc)
+    rows = [(m["name"], _bytes(m.get("size", 0)), _until(m.get("expires_at"), now)) for m in response.json()["models"]]
+    _table(["NAME", "SIZE", "UNTIL"], rows)
+    return 0
+
+
+def _until(expires_at: str | None, now) -> str:
+    """When a loaded model unloads, as `ollama ps` says it (format.HumanTime)."""
+    import datetime
+
+    if not expires_at:
+        return "Never"
+    left = (datetime.datetime.fromisoformat(expires_at) - now).total_seconds()
+    if left < 0:
+        return "Stopping..."
+    if left > 20 * 365 * 86400:  # keep_alive -1: a date far ahead
+        return "Forever"
+    return _human_duration(left) + " from now"
+
+
+def _human_duration(seconds: float) -> str:
+    """Ollama's humanDuration."""
+    s, minutes, hours = int(seconds), int(seconds // 60), round(seconds / 3600)
+    if s < 1:
+        return "Less than a second"
+    if s < 60:
+        return "1 second" if s == 1 else f"{s} seconds"
+    if minutes < 60:
+        return "About a minute" if minutes == 1 else f"{minutes} minutes"
+    if hours == 1:
+        return "About an hour"
+    for limit, unit, size in ((48, "hours", 1), (24 * 14, "days", 24), (24 * 60, "weeks", 24 * 7),
+                              (24 * 365 * 2, "months", 24 * 30)):
+        if hours < limit:
+            return f"{hours // size} {unit}"
+    return f"{int(seconds // 3600) // 24 // 365} years"
 
 
 def _size(path: Path) -> str:
@@ -366,16 +562,23 @@ def _given(args, *names: str) -> dict:
 
 
 def cmd_serve(args) -> int:
-    from churon.config import EngineConfig
-    from churon.llm import LLM
+    from churon.model_store import get_model
+    from churon.registry import models_dir
     from churon.server import create_app
+    from churon.server.catalog import ModelCatalog
     from churon.server.connections import ConnectionLimits
+    from churon.server.keep_alive import parse_keep_alive
     from churon.server.limits import RequestLimits
     from churon.server.serve import make_server
+    from churon.server.state import ModelPolicy, default_models_memory
 
-    model = args.model or DEFAULT_MODEL
+    model = args.model
+    memory = args.models_memory if args.models_memory is not None else default_models_memory()
+    policy = ModelPolicy(memory, args.max_loaded_models,
+                         parse_keep_alive(args.keep_alive, "--keep-alive"))
     engine_options = _given(args, "max_num_seqs", "max_num_batched_tokens", "max_model_len", "kv_cache_memory")
-    EngineConfig(**engine_options)  # bad settings fail now, not after the port is bound
+    # bad engine settings fail now, not after the port is bound
+    catalog = ModelCatalog(policy.memory_share, args.dtype, args.kernels, args.threads, engine_options)
     # as for the engine: the flags left out keep the dataclasses' defaults, bad values fail before the port is bound
     limits = RequestLimits(**_given(args, "max_choices", "max_prompt_tokens", "max_logit_bias", "max_stop", "max_logprobs",
                                     "max_embedding_inputs"))
@@ -383,33 +586,35 @@ def cmd_serve(args) -> int:
     api_key = _api_key(args)
     if args.pooling is not None and args.embedding_model is None and args.task == "generate":
         raise ValueError("--pooling is for the model that embeds: give --embedding-model, or --task embed")
+    if model is None and (args.embedding_model or args.served_model_name or args.task != "auto"):
+        raise ValueError("--embedding-model, --served-model-name and --task are for a MODEL to preload: give it")
     failures: list[BaseException] = []
+    created = get_model(model) if model is not None else None
+    name = args.served_model_name or (created.name if created is not None else model)  # "mario" as "mario:latest"
 
-    def load():
+    def load():  # on the load thread, as often as the model is loaded (back): a registry model is pulled once
         # --pooling belongs to the embedding model when there is one, else to MODEL (a decoder made to embed)
         pooling = args.pooling if args.embedding_model is None else None
-        return LLM(model, task=args.task, pooling=pooling, dtype=args.dtype, kernels=args.kernels, threads=args.threads,
-                   **engine_options)
+        return catalog.load(catalog.plan(name, model, args.task), pooling)
 
     def load_embedding_model():
-        # a step's token budget is the embedding engine's too; the KV-cache settings are the generation model's
-        options = _given(args, "max_num_batched_tokens")
-        return LLM(args.embedding_model, task="embed", pooling=args.pooling, dtype=args.dtype, kernels=args.kernels,
-                   threads=args.threads, **options)
+        return catalog.load(catalog.plan(args.embedding_model, args.embedding_model, "embed"), args.pooling)
 
     def on_load_error(e: BaseException) -> None:
         failures.append(e)
         server.should_exit = True
 
     embedding = (load_embedding_model, args.embedding_model) if args.embedding_model is not None else None
-    app = create_app(load, args.served_model_name or model, embedding_model=embedding, api_key=api_key,
-                     max_queue=args.max_queue, max_body_bytes=args.max_body_bytes, limits=limits,
-                     on_load_error=on_load_error)
+    app = create_app(load if model is not None else None, name, embedding_model=embedding, catalog=catalog,
+                     policy=policy, api_key=api_key, max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
+                     limits=limits, on_load_error=on_load_error)
     server = make_server(app, args.host, args.port, log_level=args.log_level, connection_limits=connection_limits,
                          **_given(args, "shutdown_timeout"))
-    served = model + (f" and {args.embedding_model}" if args.embedding_model is not None else "")
-    print(f"churon: serving {served} on http://{args.host}:{args.port}/v1 (loading; GET /health says when ready)",
-          file=sys.stderr)
+    served = " and ".join(m for m in (model, args.embedding_model) if m is not None)
+    on_demand = ", ".join(catalog.names()) or "none yet"
+    print(f"churon: serving {served or 'no model preloaded'} on http://{args.host}:{args.port}/v1"
+          f"{' (loading; GET /health says when ready)' if served else ''}; on demand, the models in"
+          f" {models_dir()} ({on_demand}), in {policy.memory} bytes, at most {policy.max_loaded} at once", file=sys.stderr)
     server.run()
     if failures:
         raise ChuronError(f"loading {served} failed: {failures[0]}")
@@ -595,8 +800,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", nargs="?", default=DEFAULT_MODEL)
     p.set_defaults(func=cmd_pull)
 
-    p = sub.add_parser("list", help="cached models")
+    p = sub.add_parser("list", help="cached models and created ones")
     p.set_defaults(func=cmd_list)
+
+    p = sub.add_parser("create", help="create a model from a Modelfile (FROM, SYSTEM, PARAMETER, TEMPLATE, MESSAGE, ...)")
+    p.add_argument("name", help="the new model's name (name or name:tag)")
+    p.add_argument("-f", "--file", default="Modelfile", help="the Modelfile (default: ./Modelfile)")
+    p.set_defaults(func=cmd_create)
+
+    p = sub.add_parser("show", help="a model's architecture and, for a created model, its recipe")
+    p.add_argument("model")
+    p.add_argument("--modelfile", action="store_true", help="the Modelfile that creates it")
+    p.add_argument("--parameters", action="store_true", help="a created model's PARAMETERs")
+    p.add_argument("--template", action="store_true", help="its template (a created model's TEMPLATE as written)")
+    p.add_argument("--system", action="store_true", help="a created model's SYSTEM")
+    p.set_defaults(func=cmd_show)
+
+    p = sub.add_parser("rm", help="delete created models (their base models stay)")
+    p.add_argument("models", nargs="+", metavar="model")
+    p.set_defaults(func=cmd_rm)
+
+    p = sub.add_parser("cp", help="copy a model to a created model of another name")
+    p.add_argument("source")
+    p.add_argument("destination")
+    p.set_defaults(func=cmd_cp)
+
+    p = sub.add_parser("ps", help="the models a running churon serve has loaded, and until when")
+    p.add_argument("--host", default="127.0.0.1", help="the server's address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="(default 8000)")
+    p.set_defaults(func=cmd_ps)
 
     p = sub.add_parser("inspect", help="what a model file holds, and the memory it needs")
     p.add_argument("model", nargs="?", default=DEFAULT_MODEL)
@@ -605,7 +837,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_inspect)
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/chat/completions, /v1/embeddings, ...)")
-    p.add_argument("model", nargs="?", default=None, help=f"registry name, .gguf file or HF directory (default {DEFAULT_MODEL})")
+    p.add_argument("model", nargs="?", default=None,
+                   help="registry name, .gguf file or HF directory to preload (default: none; every cached model is"
+                        " loaded when a request names it)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default=None, help="the name clients send as `model` (default: MODEL as given)")
@@ -642,7 +876,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="tokens in one step (prompt chunks + decodes; an embedding forward's inputs)")
     p.add_argument("--max-model-len", type=int, default=None, help="cap on a sequence's length (default: the model's context)")
-    p.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV cache (default: a share of free memory)")
+    p.add_argument("--kv-cache-memory", type=int, default=None,
+                   help="bytes for each text model's KV cache (default: what its weights leave of its share of"
+                        " --models-memory, at least one full context)")
+    p.add_argument("--models-memory", type=int, default=None, metavar="BYTES",
+                   help="bytes for every loaded model together; beyond it the least recently used idle one is"
+                        " unloaded (default: the memory available at start, less a tenth, at least 512 MiB)")
+    p.add_argument("--max-loaded-models", type=int, default=3, help="models loaded at once (default 3, as Ollama)")
+    p.add_argument("--keep-alive", default="5m",
+                   help="how long a model loaded on demand stays after its last request: 5m, 30s, 1h, seconds, 0"
+                        " (unload at once), negative (for good); a request's keep_alive overrides it (default 5m)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: physical cores)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="activations (bfloat16: reference kernels)")
     p.add_argument("--kernels", default="auto", choices=["auto", "native", "reference"],

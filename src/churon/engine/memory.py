@@ -131,3 +131,31 @@ def plan_memory(
     if num_blocks < 1:
         raise MemoryPlanError(f"kv_cache_memory={budget} bytes is less than one KV block ({block} bytes)")
     return MemoryPlan(weight_bytes, act, kv_per_token, engine.block_size, num_blocks, available)
+
+
+def plan_share(
+    config: ModelConfig,
+    weight_bytes: int,
+    engine: EngineConfig,
+    context_length: int,
+    kv_dtype: torch.dtype,
+    share: int,
+) -> MemoryPlan:
+    """The plan of one of a server's models, made before it loads: what it will hold once loaded with
+    kv_cache_memory=plan.kv_bytes. Its KV cache is engine.kv_cache_memory when set, else what the weights and
+    activations leave of `share` (the server's budget over the models it keeps loaded) but at least one full
+    context (a model larger than its share still takes requests), and never more than max_num_seqs full
+    contexts (as plan_memory). Unlike plan_memory it does not look at the memory free now: the server weighs
+    the total against its own budget, unloading idle models to make room."""
+    kv_per_token = kv_bytes_per_token(config, kv_dtype)
+    act = activation_bytes(config, engine)
+    block = engine.block_size * kv_per_token
+    one_context = -(-context_length // engine.block_size)
+    wanted = -(-engine.max_num_seqs * context_length // engine.block_size)
+    if engine.kv_cache_memory is not None:
+        num_blocks = engine.kv_cache_memory // block
+        if num_blocks < 1:
+            raise MemoryPlanError(f"kv_cache_memory={engine.kv_cache_memory} bytes is less than one KV block ({block} bytes)")
+    else:
+        num_blocks = max(one_context, (share - weight_bytes - act) // block)
+    return MemoryPlan(weight_bytes, act, kv_per_token, engine.block_size, min(num_blocks, wanted), share)

@@ -2,8 +2,9 @@
 a body pydantic refused, a Starlette HTTP error and any other exception into an error body with its
 status, in the shape the request's API dialect parses (its path says which):
 
-    OpenAI (every path but Anthropic's)  {"error": {"message", "type", "param", "code"}}
+    OpenAI (every other path)            {"error": {"message", "type", "param", "code"}}
     Anthropic (/v1/messages...)          {"type": "error", "error": {"type", "message"}}
+    Ollama (/api/...)                    {"error": "..."}
 
 Routes and middleware raise one APIError, OpenAI's fields; error_body_for renders it per dialect."""
 
@@ -54,11 +55,22 @@ def is_anthropic_path(path: str) -> bool:
     return path == "/v1/messages" or path.startswith("/v1/messages/")
 
 
+def ollama_error_body(message: str) -> dict[str, Any]:
+    """Ollama's shape: the message alone, which its clients read as ollama.ResponseError's `error`."""
+    return {"error": message}
+
+
+def is_ollama_path(path: str) -> bool:
+    return path.startswith("/api/")
+
+
 def error_body_for(path: str, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
                    code: str | None = None) -> dict[str, Any]:
     """The error body in the dialect of the API the request at `path` speaks."""
     if is_anthropic_path(path):
         return anthropic_error_body(status, message, param)
+    if is_ollama_path(path):
+        return ollama_error_body(message)
     return error_body(message, type, param, code)
 
 

@@ -20,9 +20,10 @@ from churon.server.metrics import ServerMetrics
 
 log = logging.getLogger("churon.server")
 
-# Liveness probes reach /health without a key (it says only whether the model is loaded);
-# every other path, /metrics included (it tells who uses the server how much), needs the key.
-OPEN_PATHS = frozenset({"/health"})
+# Liveness probes reach /health without a key (it says only whether the model is loaded), and a browser
+# reaches the chat page at / (a static file, where the key is typed); every other path, /metrics included
+# (it tells who uses the server how much), needs the key.
+OPEN_PATHS = frozenset({"/health", "/"})
 
 
 class RequestGuard:

@@ -1,30 +1,55 @@
-"""What the routes share, kept on app.state and handed to them by Depends(server_state): the models once
-loaded and the names they are served as, the metrics, the admission count, the request limits and the
-shutdown's drain (while draining, ready() answers 503 to every new request).
+"""What the routes share, kept on app.state and handed to them by Depends(server_state): the models loaded
+and those this server can load, the metrics, the admission count, the request limits and the shutdown's
+drain (while draining, ready() answers 503 to every new request).
 
-A server serves one model, or two: a text-generation model and an embedding model (`churon serve MODEL
---embedding-model M`). Each has a task ("generate" or "embed", LLM.task); a request's `model` picks one,
-and a request for the other task's API is a 400 naming the model and its task (model()).
+A server serves the models it preloads (`churon serve MODEL --embedding-model M`: loaded on a thread after
+the port is bound; until every one has, ready() answers 503, for good when a load failed) and, given a
+ModelCatalog (catalog.py), every model in $CHURON_HOME by name, loaded when a request names it:
 
-The models load on a thread, one after the other, after the port is bound; until every one has,
-ready() answers 503 (for good when a load failed). Routes call model() themselves, after FastAPI has
-validated the body, so a malformed request is a 400 even while the models load.
+    acquire(name, task)  the model a request names, held until release(): loaded on demand on the load
+                         thread (the event loop never waits on it), one load at a time; concurrent requests
+                         for a model that is loading wait for that one load; a failed load is those requests'
+                         503 naming the model and the reason, and the next request tries again
+    model_for(request, name, task)  the same, released once the request's response is sent (a stream: when
+                         it ends; ReleaseModels, the middleware, does it), for routes
+    memory               before a load the catalog's plan says what the model will hold (weights, activations,
+                         the KV cache of its share of the budget); when that does not fit the budget
+                         (ModelPolicy.memory, --models-memory) beside the models loaded, or max_loaded models
+                         are loaded, the least recently used idle ones (no request holds them) are unloaded,
+                         the figures logged; when unloading every idle one would not do, the load waits for
+                         models to go idle (fit_timeout), then it is a 503
+    keep_alive           seconds a model stays loaded after its last request (keep_alive.py): the request's,
+                         else the server's (--keep-alive) for a model loaded on demand, for good for a preloaded
+                         one; 0 unloads it once released; a background task unloads the expired ones
+
+Each model has a task ("generate" or "embed", LLM.task); a request for the other task's API is a 400 naming the
+model and its task. Routes look their model up after FastAPI has validated the body, so a malformed request is a
+400 even while the models load. Only the event loop touches the loaded models, but for the preload thread,
+which fills them before ready() lets any request in.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from dataclasses import dataclass
+import math
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from fastapi import Request
 
 from churon.engine.async_engine import AsyncLLMEngine
 from churon.engine.embedding import AsyncEmbeddingEngine
+from churon.engine.memory import available_memory
 from churon.llm import LLM
+from churon.model_store import CreatedModel, get_model
 from churon.server.admission import Admission
+from churon.server.catalog import LoadPlan, ModelCatalog
 from churon.server.drain import Drain
 from churon.server.errors import APIError
+from churon.server.keep_alive import FOREVER
 from churon.server.limits import RequestLimits
 from churon.server.metrics import ServerMetrics
 
@@ -33,12 +58,58 @@ log = logging.getLogger("churon.server")
 # a task as a request's error names it
 _TASK_MODELS = {"generate": "text-generation model", "embed": "embedding model"}
 
+DEFAULT_KEEP_ALIVE = 300.0  # Ollama's 5m
+DEFAULT_MAX_LOADED = 3  # Ollama's OLLAMA_MAX_LOADED_MODELS per device
+# of the memory available at start, what the default budget leaves to the server itself (its Python, the
+# requests' prompts and outputs, the page cache of the model files)
+_RESERVE_FRACTION, _MIN_RESERVE = 10, 512 << 20
 
-@dataclass
+_HOLDS = "churon.models"  # the scope key of the models a request holds (model_for)
+
+
+def default_models_memory() -> int:
+    """The budget when --models-memory is not given: the memory available now, less a reserve."""
+    available = available_memory()
+    return max(1, available - max(available // _RESERVE_FRACTION, _MIN_RESERVE))
+
+
+@dataclass(frozen=True)
+class ModelPolicy:
+    """How many models a server keeps loaded, in how much memory, for how long."""
+
+    memory: int  # bytes for every loaded model together (--models-memory)
+    max_loaded: int = DEFAULT_MAX_LOADED  # --max-loaded-models
+    keep_alive: float = DEFAULT_KEEP_ALIVE  # seconds a model loaded on demand stays after its last request
+    fit_timeout: float = 30.0  # seconds a load waits for busy models to go idle before its 503
+
+    def __post_init__(self):
+        if not isinstance(self.memory, int) or self.memory < 1:
+            raise ValueError(f"models_memory={self.memory!r}: must be a number of bytes >= 1")
+        if not isinstance(self.max_loaded, int) or self.max_loaded < 1:
+            raise ValueError(f"max_loaded_models={self.max_loaded!r}: must be an integer >= 1")
+        if not self.keep_alive >= 0:
+            raise ValueError(f"keep_alive={self.keep_alive!r}: must be >= 0 seconds (math.inf: for good)")
+        if not self.fit_timeout >= 0:
+            raise ValueError(f"fit_timeout={self.fit_timeout!r}: must be >= 0 seconds")
+
+    @property
+    def memory_share(self) -> int:
+        """What one model plans for (its KV cache gets what its weights and activations leave of it)."""
+        return self.memory // self.max_loaded
+
+
+@dataclass(eq=False)
 class ServedModel:
     name: str  # what a request's `model` says
     llm: LLM
     engine: AsyncLLMEngine | AsyncEmbeddingEngine  # by llm.task
+    size_bytes: int  # what it holds, as counted against the budget
+    created: CreatedModel | None = None  # when it is a created model (its SYSTEM, TEMPLATE, ... for the routes)
+    default_keep_alive: float = FOREVER  # when a request gives none: --keep-alive's, or for good (preloaded)
+    keep_alive: float = FOREVER  # seconds it stays loaded once idle: the last request's
+    expires_at: float | None = None  # time.time() when it unloads, if idle by then; None: kept for good
+    in_flight: int = 0  # requests holding it
+    last_used: float = field(default_factory=time.monotonic)
 
     @property
     def task(self) -> str:
@@ -46,35 +117,51 @@ class ServedModel:
 
 
 class ServerState:
-    def __init__(self, models: Sequence[tuple[Callable[[], LLM], str]], admission: Admission, limits: RequestLimits):
-        """models: (load, name) of each model to serve, loaded in this order."""
+    def __init__(self, models: Sequence[tuple[Callable[[], LLM], str]], admission: Admission, limits: RequestLimits,
+                 catalog: ModelCatalog | None = None, policy: ModelPolicy | None = None):
+        """models: (load, name) of each model to preload, in this order (load may run again, to load it back
+        after it was unloaded). catalog: the models loaded on demand (None: the preloaded ones only).
+        policy: None, the budget of default_models_memory()."""
         names = [name for _, name in models]
-        if not names:
+        if not names and catalog is None:
             raise ValueError("a server needs a model to serve")
         if len(set(names)) < len(names):
             raise ValueError(f"two models are served as the same name ({names}): give each its own")
-        self._to_load = list(models)
+        self._preloads = {name: load for load, name in models}
+        self.catalog = catalog
+        self.policy = policy or ModelPolicy(default_models_memory())
         self.admission = admission
         self.limits = limits
         self.drain = Drain()
         self.metrics = ServerMetrics()
-        # every model once all are loaded; empty before, and for good when a load failed
-        self.models: list[ServedModel] = []
+        self._loaded: dict[str, ServedModel] = {}
+        self._loading: dict[str, asyncio.Future[ServedModel]] = {}
+        self._waiters: dict[str, int] = {}  # requests waiting for a model's load: each holds it once loaded
+        self._sizes: dict[str, int] = {}  # a preloaded model's size, as measured when it last loaded
+        self._one_load = asyncio.Lock()  # loads one at a time: each is weighed against the models already in
+        self._released = asyncio.Event()  # a model went idle or away: a load waiting for room looks again
+        self._changed = asyncio.Event()  # an expiry changed: the unloader looks again
+        self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="churon-load")
+        self._unloader: asyncio.Task | None = None
+        self.preloaded = not self._preloads  # every preloaded model has loaded
         self.load_error: BaseException | None = None
 
-    def load(self, on_load_error: Callable[[BaseException], None] | None) -> None:
-        """Runs on the loading thread."""
+    # --- startup and shutdown ----------------------------------------------------------------------
+
+    def start(self, on_load_error: Callable[[BaseException], None] | None) -> None:
+        """On the event loop, at startup: the preloads on the load thread, the unloader of expired models."""
+        if not self.preloaded:
+            self._loader.submit(self.preload, on_load_error)
+        self._unloader = asyncio.ensure_future(self._unload_expired())
+
+    def preload(self, on_load_error: Callable[[BaseException], None] | None) -> None:
+        """Runs on the load thread, before ready() lets any request in."""
         loaded: list[ServedModel] = []
         try:
-            for load_llm, name in self._to_load:
-                llm = load_llm()
-                if llm.task == "embed":
-                    loaded.append(ServedModel(name, llm, AsyncEmbeddingEngine(llm.embedder)))
-                else:
-                    self.admission.size_for(llm)
-                    loaded.append(ServedModel(name, llm, AsyncLLMEngine(llm.engine)))
-                log.info("model %s loaded (%s); serving (%s)", name, llm.task, llm.fingerprint)
-            self.models = loaded
+            for name, load in self._preloads.items():
+                loaded.append(self._serve(name, load(), None, FOREVER))
+            self._loaded.update((m.name, m) for m in loaded)
+            self.preloaded = True
         except BaseException as e:  # reported by /health and to the caller, never lost in a thread
             for served in loaded:
                 served.engine.shutdown()
@@ -83,52 +170,295 @@ class ServerState:
             if on_load_error is not None:
                 on_load_error(e)
 
-    def ready(self) -> list[ServedModel]:
-        """Every served model, or the 503 of a server that is draining or not (yet) loaded."""
+    def shutdown(self) -> None:
+        if self._unloader is not None:
+            self._unloader.cancel()
+        for served in self._loaded.values():
+            served.engine.shutdown()
+        self._loaded.clear()
+        self._loader.shutdown(wait=False)
+
+    def ready(self) -> None:
+        """The 503 of a server that is draining, or whose preloaded models are not (yet) loaded."""
         refusal = self.drain.refusing()
         if refusal is not None:
             raise refusal
-        if not self.models:
+        if not self.preloaded:
             why = f"loading the model failed: {self.load_error}" if self.load_error else "the model is still loading"
             raise APIError(503, why, type="service_unavailable", code="model_not_ready", headers={"Retry-After": "1"})
-        return self.models
 
-    def model(self, name: str | None, task: str) -> ServedModel:
-        """The model a request names for an API of `task` ("generate" or "embed"); name None: the first
-        model served for that task. A 503 as ready(); a 404 for a name this server does not serve; a 400 for a
-        model (or a server) without that task, naming the model's task and the API for it."""
-        models = self.ready()
-        served = next((m for m in models if m.task == task), models[0]) if name is None else self.named(name)
-        if served.task != task:
-            other = next((m.name for m in models if m.task == task), None)
-            if served.task == "embed":
-                message = f"{served.name!r} is an embedding model; use /v1/embeddings"
-            else:
-                message = f"{served.name!r} is a text-generation model, not an embedding model"
-            if other is not None:
-                message += f" (this server's {_TASK_MODELS[task]} is {other!r})"
-            elif task == "embed":
-                message += ": this server serves none (churon serve MODEL --embedding-model EMBEDDING_MODEL)"
-            raise APIError(400, message, param="model", code="model_task_mismatch")
+    # --- what routes call --------------------------------------------------------------------------
+
+    async def acquire(self, name: str | None, task: str, keep_alive: float | None = None) -> ServedModel:
+        """The model a request names for an API of `task` ("generate" or "embed"), loaded if need be, held
+        until release(). name None: the first model loaded (else preloaded) for that task. keep_alive: seconds
+        it stays loaded once idle (keep_alive.py; None: the model's default). A 503 as ready() or for a load
+        that failed or found no room; a 404 for a name this server does not serve; a 400 for a model without
+        that task, naming the model's task and the API for it."""
+        self.ready()
+        key = self._key(name, task)
+        while True:
+            served = self._loaded.get(key)
+            if served is not None:
+                served.in_flight += 1
+                break
+            loading = self._loading.get(key)
+            if loading is None:
+                loading = self._loading[key] = asyncio.ensure_future(self._load(key))
+            self._waiters[key] = self._waiters.get(key, 0) + 1
+            try:
+                served = await asyncio.shield(loading)  # a request that leaves does not end the others' load
+            except asyncio.CancelledError:
+                if loading.done() and not loading.cancelled() and loading.exception() is None:
+                    self.release(loading.result())  # it had been given its hold
+                elif key in self._waiters:
+                    self._waiters[key] -= 1
+                raise
+            if self._loaded.get(key) is served:  # else unloaded before this request ran again: load it back
+                break
+            self.release(served)
+        if keep_alive is not None:
+            served.keep_alive = keep_alive
+        else:
+            served.keep_alive = served.default_keep_alive
+        served.expires_at = None if served.keep_alive == FOREVER else time.time() + served.keep_alive
+        served.last_used = time.monotonic()
+        try:
+            self._check_task(served, task)
+        except APIError:
+            self.release(served)
+            raise
         return served
 
-    def named(self, name: str) -> ServedModel:
-        """The model served as `name`: a 503 as ready(), a 404 when this server serves none so named."""
-        models = self.ready()
-        served = next((m for m in models if m.name == name), None)
+    def release(self, served: ServedModel) -> None:
+        """A request is done with it: once no request holds it, it unloads (keep_alive 0) or its keep_alive runs."""
+        served.in_flight -= 1
+        served.last_used = time.monotonic()
+        if served.in_flight > 0:
+            return
+        if served.keep_alive == 0:
+            self._unload(served, "keep_alive 0")
+        else:
+            served.expires_at = None if served.keep_alive == FOREVER else time.time() + served.keep_alive
+            self._changed.set()
+        self._released.set()
+
+    async def model_for(self, request: Request, name: str | None, task: str, keep_alive: float | None = None) -> ServedModel:
+        """acquire(), released once the request's response has been sent: for a stream, when it ends."""
+        served = await self.acquire(name, task, keep_alive)
+        request.scope[_HOLDS].append((self, served))
+        return served
+
+    def loaded(self) -> list[ServedModel]:
+        """The models loaded, the most recently used first."""
+        return sorted(self._loaded.values(), key=lambda m: m.last_used, reverse=True)
+
+    def available(self) -> list[str]:
+        """Every name this server serves: its preloaded models, then the catalog's, then any other loaded."""
+        names = list(self._preloads) + (self.catalog.names() if self.catalog is not None else []) + list(self._loaded)
+        return list(dict.fromkeys(names))
+
+    def unload(self, name: str) -> None:
+        """Unload the model now (Ollama's keep_alive 0 with no prompt), or when its last request ends."""
+        served = self._loaded.get(name)
         if served is None:
-            names = " and ".join(repr(m.name) for m in models)
-            raise APIError(404, f"the model {name!r} does not exist: this server serves {names}",
-                           param="model", code="model_not_found", type="not_found_error")
-        return served
+            return
+        served.keep_alive = 0
+        if served.in_flight == 0:
+            self._unload(served, "asked to")
 
     def generation_engine(self) -> AsyncLLMEngine | None:
-        """The text-generation model's engine (its stats for /metrics); None while loading or without one."""
-        return next((m.engine for m in self.models if m.task == "generate"), None)  # type: ignore[return-value]
+        """A text-generation model's engine (its stats for /metrics); None without one loaded."""
+        return next((m.engine for m in self._loaded.values() if m.task == "generate"), None)  # type: ignore[return-value]
 
-    def shutdown(self) -> None:
-        for served in self.models:
+    # --- lookup ------------------------------------------------------------------------------------
+
+    def _key(self, name: str | None, task: str) -> str:
+        if name is None:
+            served = list(self._loaded.values())
+            first = next((m.name for m in served if m.task == task), None) or (served[0].name if served else None)
+            first = first or next(iter(self._preloads), None)
+            if first is None:
+                raise APIError(400, f"give `model`: this server loads models by name ({self._names()})", param="model")
+            return first
+        for candidate in (name, name.removesuffix(":latest")):
+            if candidate in self._loaded or candidate in self._preloads:
+                return candidate
+        found = self.catalog.find(name) if self.catalog is not None else None
+        if found is not None:
+            return found
+        pull = self.catalog.not_pulled(name) if self.catalog is not None else None
+        if pull is not None:
+            raise APIError(404, f"the model {name!r} is not pulled yet: `churon pull {pull}` (or POST /api/pull)",
+                           param="model", code="model_not_found", type="not_found_error")
+        raise self.not_found(name)
+
+    def not_found(self, name: str) -> APIError:
+        """The 404 of a name this server does not serve, naming those it does."""
+        return APIError(404, f"the model {name!r} does not exist: this server serves {self._names()}",
+                        param="model", code="model_not_found", type="not_found_error")
+
+    def _names(self) -> str:
+        return " and ".join(repr(n) for n in self.available()) or "no model yet (`churon pull NAME`)"
+
+    def _check_task(self, served: ServedModel, task: str) -> None:
+        if served.task == task:
+            return
+        other = next((m.name for m in self._loaded.values() if m.task == task), None)
+        if served.task == "embed":
+            message = f"{served.name!r} is an embedding model; use /v1/embeddings"
+        else:
+            message = f"{served.name!r} is a text-generation model, not an embedding model"
+        if other is not None:
+            message += f" (this server's {_TASK_MODELS[task]} is {other!r})"
+        elif task == "embed" and self.catalog is None:
+            message += ": this server serves none (churon serve MODEL --embedding-model EMBEDDING_MODEL)"
+        raise APIError(400, message, param="model", code="model_task_mismatch")
+
+    # --- loading and unloading ---------------------------------------------------------------------
+
+    async def _load(self, name: str) -> ServedModel:
+        """Load `name` on the load thread, making room first; hand it to the requests waiting for it."""
+        loop = asyncio.get_running_loop()
+        try:
+            async with self._one_load:
+                if name in self._preloads:  # loaded back: as big as it was
+                    load, plan = self._preloads[name], None
+                    needed = self._sizes.get(name, 0)
+                else:
+                    plan = await loop.run_in_executor(self._loader, self.catalog.plan, name)
+                    load, needed = (lambda: self.catalog.load(plan)), plan.resident_bytes
+                await self._make_room(name, needed)
+                started = time.perf_counter()
+                served = await loop.run_in_executor(self._loader, self._load_served, name, load, plan)
+                log.info("model %s loaded on demand in %.1f s (%d bytes)", name, time.perf_counter() - started,
+                         served.size_bytes)
+        except APIError:
+            self._waiters.pop(name, None)
+            raise
+        except Exception as e:  # this request's error (a broken file, a model the machine cannot hold), never the server's
+            self._waiters.pop(name, None)
+            log.error("loading the model %s failed: %s", name, e)
+            raise APIError(503, f"loading the model {name!r} failed: {type(e).__name__}: {e}", param="model",
+                           type="service_unavailable", code="model_load_failed") from e
+        finally:
+            self._loading.pop(name, None)
+        served.in_flight = self._waiters.pop(name, 0)  # the waiting requests hold it from here
+        self._loaded[name] = served
+        return served
+
+    def _load_served(self, name: str, load: Callable[[], LLM], plan: LoadPlan | None) -> ServedModel:
+        keep_alive = FOREVER if plan is None else self.policy.keep_alive
+        return self._serve(name, load(), plan, keep_alive)
+
+    def _serve(self, name: str, llm: LLM, plan: LoadPlan | None, keep_alive: float) -> ServedModel:
+        """On the load thread: the loaded LLM behind its engine's front end."""
+        if llm.task == "embed":
+            engine: AsyncLLMEngine | AsyncEmbeddingEngine = AsyncEmbeddingEngine(llm.embedder)
+            size = llm.model.weight_bytes()
+        else:
+            self.admission.size_for(llm)
+            engine = AsyncLLMEngine(llm.engine)
+            size = llm.engine.memory_plan.total_bytes
+        if plan is not None:  # counted as it was weighed before the load
+            size = plan.resident_bytes
+        else:
+            self._sizes[name] = size
+        log.info("model %s loaded (%s); serving (%s)", name, llm.task, llm.fingerprint)
+        if plan is not None:
+            created = plan.created
+        else:  # `churon serve NAME` of a created model: its recipe is the routes' to apply
+            created = get_model(name) if self.catalog is not None else None
+        return ServedModel(name, llm, engine, size, created, default_keep_alive=keep_alive, keep_alive=keep_alive)
+
+    async def _make_room(self, name: str, needed: int) -> None:
+        """Unload the least recently used idle models until `needed` bytes and one more model fit; wait (up to
+        fit_timeout) for busy ones to go idle when unloading every idle one would not do."""
+        budget, most = self.policy.memory, self.policy.max_loaded
+        if needed > budget:
+            raise APIError(503, f"the model {name!r} needs {needed} bytes, more than this server's budget of {budget}"
+                           " bytes for all its models (--models-memory)", param="model", type="service_unavailable",
+                           code="model_too_large")
+        deadline = time.monotonic() + self.policy.fit_timeout
+        while True:
+            self._released.clear()
+            loaded = sorted(self._loaded.values(), key=lambda m: m.last_used)
+            in_use = sum(m.size_bytes for m in loaded)
+            evict: list[ServedModel] = []
+            for m in loaded:
+                if in_use - sum(e.size_bytes for e in evict) + needed <= budget and len(loaded) - len(evict) < most:
+                    break
+                if m.in_flight == 0:
+                    evict.append(m)
+            freed = sum(e.size_bytes for e in evict)
+            if in_use - freed + needed <= budget and len(loaded) - len(evict) < most:
+                if evict:
+                    log.info("loading %r needs %d bytes: %d of the budget of %d bytes (--models-memory) are in use by %d"
+                             " models (at most %d, --max-loaded-models); unloading the least recently used idle: %s",
+                             name, needed, in_use, budget, len(loaded), most,
+                             ", ".join(f"{e.name!r} ({e.size_bytes} bytes)" for e in evict))
+                for e in evict:
+                    self._unload(e, f"to make room for {name!r}")
+                return
+            left = deadline - time.monotonic()
+            busy = ", ".join(f"{m.name!r} ({m.size_bytes} bytes)" for m in loaded if m.in_flight)
+            if left <= 0:
+                raise APIError(503, f"no room for the model {name!r} ({needed} bytes): {in_use} of the budget of {budget}"
+                               f" bytes (--models-memory) are in use, by models serving requests ({busy}); retry later",
+                               param="model", type="service_unavailable", code="models_busy", headers={"Retry-After": "5"})
+            log.info("loading %r needs %d bytes: %d of %d in use, by busy models (%s); waiting for one to go idle",
+                     name, needed, in_use, budget, busy)
+            try:
+                await asyncio.wait_for(self._released.wait(), left)
+            except TimeoutError:
+                pass
+
+    def _unload(self, served: ServedModel, why: str) -> None:
+        """Forget it now; its engine stops on the load thread (before any load that comes after)."""
+        if self._loaded.get(served.name) is served:
+            del self._loaded[served.name]
+        served.expires_at = None
+        try:
+            self._loader.submit(served.engine.shutdown)
+        except RuntimeError:  # the server has shut down (a stream released it after): its load thread is gone
             served.engine.shutdown()
+        log.info("model %s unloaded (%s); %d bytes freed", served.name, why, served.size_bytes)
+        self._released.set()
+
+    async def _unload_expired(self) -> None:
+        while True:
+            now, soonest = time.time(), math.inf
+            for served in list(self._loaded.values()):
+                if served.in_flight or served.expires_at is None:
+                    continue
+                if served.expires_at <= now:
+                    self._unload(served, f"idle for its keep_alive of {served.keep_alive:g} s")
+                else:
+                    soonest = min(soonest, served.expires_at)
+            self._changed.clear()
+            try:
+                await asyncio.wait_for(self._changed.wait(), None if soonest == math.inf else soonest - now)
+            except TimeoutError:
+                pass
+
+
+class ReleaseModels:
+    """ASGI middleware: the models a request acquired with ServerState.model_for are released once its response
+    has been sent, a stream's included, or once it failed or the client left."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        holds = scope[_HOLDS] = []
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            for state, served in holds:
+                state.release(served)
 
 
 def server_state(request: Request) -> ServerState:

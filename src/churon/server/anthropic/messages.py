@@ -25,7 +25,7 @@ _FIELD_NAMES = {"stop": "stop_sequences"}
 
 @router.post("/v1/messages")
 async def create_message(body: MessagesRequest, request: Request, state: ServerState = Depends(server_state)):
-    served = state.model(body.model, "generate")
+    served = await state.model_for(request, body.model, "generate")
     llm = served.llm
     if body.max_tokens < 1:
         raise APIError(400, f"max_tokens={body.max_tokens}: must be >= 1", param="max_tokens")
@@ -51,6 +51,6 @@ async def create_message(body: MessagesRequest, request: Request, state: ServerS
 
 
 @router.post("/v1/messages/count_tokens")
-async def count_tokens(body: CountTokensRequest, state: ServerState = Depends(server_state)) -> dict[str, Any]:
-    llm = state.model(body.model, "generate").llm
+async def count_tokens(body: CountTokensRequest, request: Request, state: ServerState = Depends(server_state)) -> dict[str, Any]:
+    llm = (await state.model_for(request, body.model, "generate")).llm
     return {"input_tokens": len((await build_prompt(llm, body)).ids)}

@@ -70,7 +70,7 @@ def _finish_reason(reason: str, has_calls: bool) -> str:
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request, state: ServerState = Depends(server_state)):
-    served = state.model(body.model, "generate")
+    served = await state.model_for(request, body.model, "generate")
     llm = served.llm
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")

@@ -24,7 +24,7 @@ router = APIRouter()
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request, state: ServerState = Depends(server_state)):
-    served = state.model(body.model, "generate")
+    served = await state.model_for(request, body.model, "generate")
     llm = served.llm
     state.limits.check_choices(body.n, _count(body.prompt))
     check_request(body, state.limits, body.logprobs, "logprobs")

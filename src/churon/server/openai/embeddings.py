@@ -41,7 +41,7 @@ EmbeddingInput = str | list[str] | list[int] | list[list[int]]
 
 @router.post("/v1/embeddings")
 async def embeddings(body: EmbeddingRequest, request: Request, state: ServerState = Depends(server_state)) -> Response:
-    served = state.model(body.model, "embed")
+    served = await state.model_for(request, body.model, "embed")
     llm = served.llm
     if body.dimensions is not None and body.dimensions != llm.embedding_dim:
         raise APIError(400, f"dimensions={body.dimensions}: {served.name!r} does not support truncating its vectors;"

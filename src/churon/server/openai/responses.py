@@ -283,7 +283,7 @@ def _status(result: CompletionOutput) -> str:
 @router.post("/v1/responses")
 async def create_response(body: ResponsesRequest, request: Request, state: ServerState = Depends(server_state),
                           store: ResponseStore = Depends(response_store)):
-    served = state.model(body.model, "generate")
+    served = await state.model_for(request, body.model, "generate")
     llm = served.llm
     history: list[dict[str, Any]] = []
     if body.previous_response_id is not None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Depends, Request
 
 from churon.server.errors import APIError
 from churon.server.offload import off_loop
@@ -18,8 +18,8 @@ router = APIRouter()
 
 
 @router.post("/tokenize")
-async def tokenize(body: TokenizeRequest, state: ServerState = Depends(server_state)) -> dict[str, Any]:
-    llm = state.model(body.model, "generate").llm
+async def tokenize(body: TokenizeRequest, request: Request, state: ServerState = Depends(server_state)) -> dict[str, Any]:
+    llm = (await state.model_for(request, body.model, "generate")).llm
     if (body.prompt is None) == (body.messages is None):
         raise APIError(400, "give exactly one of prompt and messages", param="prompt")
     if body.messages is not None:
@@ -36,8 +36,8 @@ async def tokenize(body: TokenizeRequest, state: ServerState = Depends(server_st
 
 
 @router.post("/detokenize")
-async def detokenize(body: DetokenizeRequest, state: ServerState = Depends(server_state)) -> dict[str, Any]:
-    llm = state.model(body.model, "generate").llm
+async def detokenize(body: DetokenizeRequest, request: Request, state: ServerState = Depends(server_state)) -> dict[str, Any]:
+    llm = (await state.model_for(request, body.model, "generate")).llm
     vocab = llm.config.vocab_size
     bad = [t for t in body.tokens if not 0 <= t < vocab]
     if bad:
@@ -46,9 +46,9 @@ async def detokenize(body: DetokenizeRequest, state: ServerState = Depends(serve
 
 
 @router.get("/tokenizer_info")
-async def tokenizer_info(state: ServerState = Depends(server_state)) -> dict[str, Any]:
+async def tokenizer_info(request: Request, state: ServerState = Depends(server_state)) -> dict[str, Any]:
     """vLLM's shape: the tokenizer_config.json fields and tokenizer_class (here churon's own Tokenizer)."""
-    llm = state.model(None, "generate").llm
+    llm = (await state.model_for(request, None, "generate")).llm
     tokenizer = llm.tokenizer
     info = {
         "tokenizer_class": type(tokenizer).__name__,
