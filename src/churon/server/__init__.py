@@ -3,9 +3,13 @@
     app.py         create_app: wires the parts below into one FastAPI app
     serve.py       make_server: the app on uvicorn, as `churon serve` runs it (file limit, SIGTERM's drain)
     connections.py under the app: header and body read deadlines, the connection limit
-    state.py       what the routes share (the models once loaded, metrics, admission, limits); the 503 while loading,
-                   a request's `model` looked up for its task (text generation or embeddings)
-    errors.py      APIError and the exception handlers: every error as OpenAI's error body
+    state.py       what the routes share (the loaded models, metrics, admission, limits); a request's `model`
+                   acquired for its task (text generation or embeddings), loaded on demand, unloaded by LRU or
+                   keep_alive; the 503 while loading
+    catalog.py     the models a server can load by name ($CHURON_HOME: cached, registry, created), what each
+                   will hold, how it loads
+    keep_alive.py  Ollama's keep_alive durations
+    errors.py      APIError and the exception handlers: every error in its API's shape (OpenAI, Anthropic, Ollama)
     middleware.py  before any route: the API key, the body-size limit, answers counted by status, the 500 of a bug
     admission.py   --max-queue: engine requests waiting for their first token
     limits.py      the work one request may ask for: choices, prompt tokens, logit_bias, stop strings, logprobs,
@@ -15,7 +19,8 @@
     drain.py       the graceful shutdown: no new requests, a grace period, then every request ended properly
     metrics.py     Prometheus text
     system.py      /health, /metrics
-    openai/        OpenAI's API (and vLLM's /tokenize, /detokenize); other APIs get packages beside it
+    openai/        OpenAI's API (and vLLM's /tokenize, /detokenize); anthropic/ and ollama/ beside it
+    page/          GET /: the chat page (one static file, no CDN)
 """
 
 from churon.server.app import create_app
