@@ -225,3 +225,53 @@ def test_concurrent_async_requests_get_their_solo_vectors(tiny_bert_dir, referen
     # the cancelled request's 50 inputs were not all run, and the others shared forwards
     assert sum(forwards) < 50 + sum(map(len, requests))
     assert max(forwards) > 1 and all(not math.isnan(x) for v in results[0] for x in v)
+
+
+def test_the_end_token_is_the_post_processors_even_when_the_config_names_another_eos(tmp_path):
+    """Qwen3-Embedding's tokenizer ends every text with <|endoftext|> while its config's EOS is <|im_end|>:
+    its last-token pooling reads <|endoftext|>, so churon must append that one, as transformers does."""
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    from churon.tokenizer import from_hf_dir
+
+    vocab = {"a": 0, "b": 1, "<|endoftext|>": 2, "<|im_end|>": 3}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="a"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.post_processor = processors.TemplateProcessing(single="$A <|endoftext|>", special_tokens=[("<|endoftext|>", 2)])
+    tok.add_special_tokens(["<|endoftext|>", "<|im_end|>"])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text('{"eos_token": "<|im_end|>", "tokenizer_class": "PreTrainedTokenizerFast"}')
+    want = transformers.AutoTokenizer.from_pretrained(tmp_path)("a b")["input_ids"]
+    ours = from_hf_dir(tmp_path)
+    assert want == [0, 1, 2] and ours.encode("a b") == want
+    assert ours.eos_id == 3 and ours.encode("a b", add_eos=False) == [0, 1]
+
+
+def test_a_caller_that_gave_up_does_not_stop_the_engine(tiny_bert_dir):
+    """A request whose event loop is gone by the time its vectors come (a timed-out asyncio.run) is skipped;
+    the engine's thread goes on serving the next ones."""
+    import threading
+
+    llm = LLM(tiny_bert_dir, kernels="reference", threads=1)
+    engine = AsyncEmbeddingEngine(llm.embedder)
+    release = threading.Event()
+    forward = llm.embedder.forward
+    llm.embedder.forward = lambda inputs: release.wait(30) and forward(inputs)
+
+    async def give_up():
+        await asyncio.wait_for(engine.embed([[2, 40, 3]]), 0.05)
+
+    try:
+        with pytest.raises(TimeoutError):
+            asyncio.run(give_up())
+        release.set()  # the forward ends after its caller's loop has closed
+        assert asyncio.run(engine.embed([[2, 41, 3]])) == llm.embed([[2, 41, 3]])
+    finally:
+        engine.shutdown()
+
+
+def test_token_ids_must_be_integers(reference_llm):
+    for bad in ([2, True, 3], [2, 4.0, 3], [2, "5", 3]):
+        with pytest.raises(ValueError, match="is not an integer"):
+            reference_llm.embed([bad])

@@ -133,6 +133,8 @@ class LLM:
         truncate: keep the first max_embed_len tokens, the final special token kept last (as sentence-transformers
         truncates); otherwise a longer text is a ContextLengthError when it is embedded."""
         limit = self._embedding().max_length
+        if self.config.extra.get("do_lower_case"):  # sentence_bert_config.json: sentence-transformers lowers texts
+            text = text.lower()
         if not truncate:
             return self.tokenizer.encode(text)
         # Only the text's beginning is needed: cut it at the first space after as many characters as limit tokens

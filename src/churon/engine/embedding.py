@@ -13,6 +13,7 @@ requests share forwards.
 from __future__ import annotations
 
 import asyncio
+import numbers
 import threading
 from collections import deque
 from dataclasses import dataclass, field
@@ -58,6 +59,9 @@ class EmbeddingEngine:
 
     def prepare(self, ids: Sequence[int], truncate: bool = False) -> list[int]:
         """ids as the engine runs them: checked, cut to max_length first when truncate."""
+        if any(isinstance(t, bool) or not isinstance(t, numbers.Integral) for t in ids):
+            bad = next(t for t in ids if isinstance(t, bool) or not isinstance(t, numbers.Integral))
+            raise ValueError(f"input token id {bad!r:.40} is not an integer")
         ids = [int(t) for t in ids]
         if truncate:
             ids = ids[: self.max_length]
@@ -117,6 +121,7 @@ class _Job:
     vectors: list[list[float] | None] = field(default_factory=list)
     taken: int = 0  # inputs handed to a forward so far
     done: int = 0
+    failed: bool = False  # a forward of its failed: its other inputs are not run
 
 
 class AsyncEmbeddingEngine:
@@ -139,7 +144,7 @@ class AsyncEmbeddingEngine:
         loop = asyncio.get_running_loop()
         job = _Job(prepared, loop.create_future(), loop, vectors=[None] * len(prepared))
         with self._wake:
-            if self._stopped:
+            if self._stopped or not self._thread.is_alive():
                 raise RuntimeError("the embedding engine has shut down")
             self._jobs.append(job)
             self._wake.notify()
@@ -158,7 +163,7 @@ class AsyncEmbeddingEngine:
         tokens = 0
         while self._jobs:
             job = self._jobs.popleft()
-            if job.future.done():  # its caller left, or an earlier forward failed it
+            if job.failed or job.future.done():  # a forward of its failed, or its caller left
                 continue
             n = len(job.inputs[job.taken])
             if taken and tokens + n > budget:
@@ -172,29 +177,51 @@ class AsyncEmbeddingEngine:
         return taken
 
     def _run(self) -> None:
-        while True:
+        try:
+            while self._step():
+                pass
+        except BaseException as e:  # a bug here: fail every waiting request rather than leave it hanging
             with self._wake:
-                while not self._jobs and not self._stopped:
-                    self._wake.wait()
-                if self._stopped:
-                    for job in self._jobs:
-                        job.loop.call_soon_threadsafe(_fail, job.future, RuntimeError("the embedding engine has shut down"))
-                    return
-                work = self._take()
-            if not work:
-                continue
-            try:
-                vectors = self.engine.forward([job.inputs[i] for job, i in work]).tolist()
-            except Exception as e:  # the forward itself failed: every request in it hears why
-                for job in {id(j): j for j, _ in work}.values():
-                    job.loop.call_soon_threadsafe(_fail, job.future, e)
-                    job.done = len(job.inputs)
-                continue
-            for (job, i), vector in zip(work, vectors):
-                job.vectors[i] = vector
-                job.done += 1
-                if job.done == len(job.inputs):
-                    job.loop.call_soon_threadsafe(_succeed, job.future, job.vectors)
+                self._stopped = True
+                jobs, self._jobs = list(self._jobs), deque()
+            for job in jobs:
+                _resolve(job, _fail, e)
+            raise
+
+    def _step(self) -> bool:
+        """Run one forward over the waiting inputs; False once shut down."""
+        with self._wake:
+            while not self._jobs and not self._stopped:
+                self._wake.wait()
+            if self._stopped:
+                for job in self._jobs:
+                    _resolve(job, _fail, RuntimeError("the embedding engine has shut down"))
+                return False
+            work = self._take()
+        if not work:
+            return True
+        jobs = list({id(j): j for j, _ in work}.values())
+        try:
+            vectors = self.engine.forward([job.inputs[i] for job, i in work]).tolist()
+        except Exception as e:  # the forward itself failed: every request in it hears why
+            for job in jobs:
+                job.failed = True
+                _resolve(job, _fail, e)
+            return True
+        for (job, i), vector in zip(work, vectors):
+            job.vectors[i] = vector
+            job.done += 1
+            if job.done == len(job.inputs):
+                _resolve(job, _succeed, job.vectors)
+        return True
+
+
+def _resolve(job: _Job, how, value) -> None:
+    """Settle a job's future on its caller's loop; a loop that has closed (its caller gave up) has no one to tell."""
+    try:
+        job.loop.call_soon_threadsafe(how, job.future, value)
+    except RuntimeError:
+        pass
 
 
 def _succeed(future: asyncio.Future, value) -> None:

@@ -39,6 +39,7 @@ class Tokenizer:
         add_bos: bool,
         chat_template: str | None,
         add_eos: bool = False,
+        end_id: int | None = None,
         piece_bytes: list[bytes] | None = None,
         special_ids: frozenset[int] = frozenset(),
         strip_leading_space: bool = False,
@@ -52,7 +53,9 @@ class Tokenizer:
         self.eos_id = eos_id
         self.eog_ids = eog_ids
         self.add_bos = add_bos
-        self.add_eos = add_eos  # an encoder's tokenizer ends every text with its EOS (BERT: [SEP])
+        self.add_eos = add_eos  # an encoder's tokenizer ends every text with its end token (BERT: [SEP])
+        # the token add_eos appends: the EOS, unless the files end texts with another one (their post-processor's)
+        self.end_id = eos_id if end_id is None else end_id
         self._chat_template_text = chat_template
         # GGUF only: the bytes of every token, the ids dropped by skip_special_tokens, and
         # whether decoding drops the space SentencePiece put in front of the text.
@@ -126,8 +129,9 @@ class Tokenizer:
         add_bos: None adds BOS when the model asks for it (`self.add_bos`); True/False force it.
         BOS is never added twice: text that already starts with the BOS token (e.g. a rendered
         chat template with parse_special) keeps the one it has.
-        add_eos: None appends EOS when the model asks for it (`self.add_eos`: BERT's [SEP]); True/False
-        force it. It is appended even after text that ends with it, as Hugging Face's post-processor
+        add_eos: None appends the end token when the model asks for it (`self.add_eos`: BERT's [SEP]);
+        True/False force it. That token is `self.end_id`: the EOS, or the one the files' post-processor
+        ends texts with. It is appended even after text that ends with it, as Hugging Face's post-processor
         and llama.cpp do.
         parse_special: the text of control tokens (e.g. "<|im_start|>") becomes their id;
         False tokenizes it as plain text. User-defined added tokens are matched either way.
@@ -147,9 +151,9 @@ class Tokenizer:
         if add_eos is None:
             add_eos = self.add_eos
         if add_eos:
-            if self.eos_id is None:
+            if self.end_id is None:
                 raise ModelFileError(f"{self._source}: add_eos requested but the model has no EOS token")
-            ids.append(self.eos_id)
+            ids.append(self.end_id)
         return ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True, at_start: bool = True) -> str:

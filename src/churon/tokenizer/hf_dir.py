@@ -83,7 +83,10 @@ def from_hf_dir(path: str | os.PathLike) -> Tokenizer:
     if eos_id is None and len(suffix) == 1:
         eos_id = suffix[0]
     add_bos = _add_flag(config, "add_bos_token", bos_id is not None and prefix[:1] == [bos_id], bos_id, path)
-    add_eos = _add_flag(config, "add_eos_token", eos_id is not None and suffix[-1:] == [eos_id], eos_id, path)
+    # The token a text ends with is the post-processor's, which need not be the EOS the config names (Qwen3-Embedding
+    # appends <|endoftext|>, its config's EOS is <|im_end|>): the last-token pooling of such a model reads it.
+    end_id = suffix[0] if len(suffix) == 1 else eos_id
+    add_eos = _add_flag(config, "add_eos_token", len(suffix) == 1, end_id, path)
 
     template = None
     if (path / "chat_template.jinja").is_file():
@@ -105,6 +108,7 @@ def from_hf_dir(path: str | os.PathLike) -> Tokenizer:
         eog_ids=frozenset(eog),
         add_bos=add_bos,
         add_eos=add_eos,
+        end_id=end_id,
         chat_template=template,
     )
 

@@ -8,8 +8,9 @@
                       official client decodes them; it asks for base64 unless told otherwise)
     dimensions        only the model's own: churon does not truncate vectors (no Matryoshka models yet)
     truncate_prompt_tokens  vLLM's field: -1, or k >= the model's max length, cuts each longer input to that
-                      max length, keeping its beginning and its final special token as sentence-transformers does
-                      (vLLM keeps a prompt's end); without it a longer input is a 400 (nothing is cut silently)
+                      max length, keeping its beginning (vLLM keeps a prompt's end): a text keeps its final special
+                      token as sentence-transformers does, token ids are cut as given; without it a longer input
+                      is a 400 (nothing is cut silently)
 
 Every input is tokenized and checked (empty, an id outside the vocabulary, too long) on the prompt pool
 before any is embedded, and a 400 names the input; the inputs of concurrent requests share forwards

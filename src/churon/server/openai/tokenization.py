@@ -31,7 +31,8 @@ async def tokenize(body: TokenizeRequest, request: Request, state: ServerState =
     else:
         # any length the body limit lets through, not only what fits the context: lm-eval tokenizes whole
         # documents here to score them window by window
-        ids = await off_loop(llm.tokenizer.encode, body.prompt, add_bos=None if body.add_special_tokens else False)
+        special = None if body.add_special_tokens else False
+        ids = await off_loop(llm.tokenizer.encode, body.prompt, add_bos=special, add_eos=special)
     return {"count": len(ids), "max_model_len": llm.max_model_len, "tokens": ids}
 
 
