@@ -118,7 +118,7 @@ def test_api_fields_create_the_same_model_as_the_modelfile(home, weights):
                                        base_dir=home)
     by_fields = model_store.create_from_fields("b", {
         "from": path, "system": "Be brief.", "parameters": {"temperature": 0, "stop": ["x", "y"]}, "template": LLAMA3_GO,
-        "messages": [{"role": "user", "content": "hi"}], "license": ["MIT"]})
+        "messages": [{"role": "user", "content": "hi"}], "license": ["MIT"]}, base_dir=home)
     for field in ("base", "base_path", "system", "parameters", "template", "messages", "license", "modelfile"):
         assert getattr(by_fields, field) == getattr(by_text, field), field
 
@@ -168,3 +168,11 @@ def test_a_broken_manifest_or_a_vanished_base_is_named(home, weights, caplog):
     (weights / "tiny.gguf").unlink()
     with pytest.raises(ChuronError, match="good:latest: its base model .*tiny.gguf \\(FROM ./tiny.gguf\\) no longer exists"):
         model_store.resolve("good")
+
+
+def test_without_a_base_dir_from_names_a_model_never_a_path(home, weights):
+    """What /api/create passes: a client names models, it does not open the server's files."""
+    with pytest.raises(ModelfileError, match="not a model in the server's cache"):
+        model_store.create_from_fields("c", {"from": str(weights / "tiny.gguf")})
+    with pytest.raises(ModelfileError, match="not a model in the server's cache"):
+        model_store.create_model("c", "FROM ../tiny.gguf\n", base_dir=None)

@@ -11,6 +11,7 @@ import hashlib
 import json
 import math
 import os
+import shutil
 import re
 import textwrap
 import zipfile
@@ -335,10 +336,20 @@ def create(server, name: str, modelfile: str) -> list[dict]:
     return [json.loads(x) for x in r.text.splitlines()]
 
 
-def test_create_from_a_modelfile_show_copy_and_delete(client, server, gguf):  # noqa: F811
-    assert create(server, "riddler", RIDDLER.format(base=gguf))[-1] == {"status": "success"}
+@pytest.fixture(scope="module")
+def riddler_base(home, gguf):  # noqa: F811
+    """The base of the created models: a model of the server's cache, named (over HTTP, FROM takes no path)."""
+    path = home / "home" / "models" / "riddler-base.gguf"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy(gguf, path)
+    return path
+
+
+def test_create_from_a_modelfile_show_copy_and_delete(client, server, riddler_base):
+    assert create(server, "riddler", RIDDLER.format(base="riddler-base"))[-1] == {"status": "success"}
     show = client.show("riddler")
-    assert show.details.parent_model == str(gguf) and "temperature" in show.parameters
+    assert show.details.parent_model == "riddler-base" and str(riddler_base.resolve()) in show.modelfile
+    assert "temperature" in show.parameters
     assert "You answer in riddles." in show.modelfile and show.capabilities == ["completion"]
     assert "riddler:latest" in {m.model for m in client.list().models}
     # the newer body's fields make the same kind of model
@@ -352,8 +363,8 @@ def test_create_from_a_modelfile_show_copy_and_delete(client, server, gguf):  # 
     assert e.value.status_code == 404
 
 
-def test_a_created_models_system_and_parameters_are_in_effect(client, server, gguf, llm):  # noqa: F811
-    create(server, "riddler", RIDDLER.format(base=gguf))
+def test_a_created_models_system_and_parameters_are_in_effect(client, server, riddler_base, llm):  # noqa: F811
+    create(server, "riddler", RIDDLER.format(base="riddler-base"))
     # its SYSTEM is the system turn and temperature 0 its sampling: the engine's greedy answer to that prompt
     ids = llm.chat_prompt_ids([{"role": "system", "content": "You answer in riddles."}, {"role": "user", "content": "hi"}])
     ref = greedy(llm, ids, 7)
@@ -361,6 +372,11 @@ def test_a_created_models_system_and_parameters_are_in_effect(client, server, gg
     assert r.message.content == ref.text and r.prompt_eval_count == len(ids) and r.eval_count == len(ref.token_ids)
     g = client.generate(model="riddler", prompt="hi", options={"top_k": 0, "repeat_penalty": 1.0})
     assert g.response == ref.text and list(g.context) == ids + ref.token_ids
+    # everywhere a model name is: OpenAI's chat gets its SYSTEM too
+    o = httpx.post(f"{server}/v1/chat/completions", timeout=60, json={
+        "model": "riddler", "messages": [{"role": "user", "content": "hi"}], "temperature": 0, "max_tokens": 7})
+    assert o.status_code == 200 and o.json()["usage"]["prompt_tokens"] == len(ids)
+    assert o.json()["choices"][0]["message"]["content"] == ref.text
     client.delete("riddler")
 
 
@@ -398,5 +414,8 @@ def test_bad_input_is_an_error_in_ollamas_shape_naming_it(server, path, body, st
 
 
 def test_create_with_a_name_escaping_the_store_is_a_400(server, gguf):  # noqa: F811
+    # over HTTP, FROM names a model: a path on the server is not opened
+    r = httpx.post(f"{server}/api/create", json={"model": "x", "modelfile": f"FROM {gguf}\n"})
+    assert r.status_code == 400 and "does not exist: not a model in the server's cache" in r.json()["error"]
     r = httpx.post(f"{server}/api/create", json={"model": "../x", "modelfile": f"FROM {gguf}\n"})
     assert r.status_code == 400 and "../x" in r.json()["error"]

@@ -27,7 +27,7 @@ from typing import Any, Mapping
 from churon.errors import ChuronError
 from churon.modelfile import ROLES, Modelfile, ModelfileError, chat_template, parse_modelfile
 from churon.ollama_options import check_options
-from churon.registry import REGISTRY, cache_dir, registry_entry, resolve_model
+from churon.registry import REGISTRY, cache_dir, models_dir, registry_entry, resolve_model
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +55,13 @@ class CreatedModel:
     modelfile: str = ""  # the canonical Modelfile (`show --modelfile`): FROM base_path and the whole recipe
     created_at: float = 0.0
 
+    def conversation(self, messages: list[dict]) -> list[dict]:
+        """Its seeded MESSAGEs, then a request's; its SYSTEM first unless the conversation has one."""
+        seeded = [dict(m) for m in self.messages] + list(messages)
+        if self.system is not None and not any(m.get("role") == "system" for m in seeded):
+            seeded.insert(0, {"role": "system", "content": self.system})
+        return seeded
+
     @property
     def recipe(self) -> Modelfile:
         """The recipe as its Modelfile writes it (the TEMPLATE as written, Go or Jinja)."""
@@ -76,6 +83,8 @@ def check_name(name: str) -> str:
         raise ValueError(f"model name {name!r}: a name is not a path (it may not start with / or hold \\)")
     if ".." in name:
         raise ValueError(f"model name {name!r}: '..' is not allowed in a name")
+    if any(part.endswith(".json") for part in name.split(":")[0].split("/")):  # a manifest's own file name
+        raise ValueError(f"model name {name!r}: a part of a name may not end in .json")
     m = _NAME.fullmatch(name)
     if m is None:
         raise ValueError(f"model name {name!r}: must be parts of letters, digits, '.', '_' and '-' separated by '/'"
@@ -123,17 +132,19 @@ def list_models() -> list[CreatedModel]:
     return sorted(models, key=lambda m: m.name)
 
 
-def create_model(name: str, modelfile: str, *, base_dir: Path) -> CreatedModel:
+def create_model(name: str, modelfile: str, *, base_dir: Path | None) -> CreatedModel:
     """Create (or replace) `name` from a Modelfile's text; FROM paths are relative to base_dir (the Modelfile's
-    folder). ModelfileError naming the line for a bad Modelfile or a FROM that does not exist."""
+    folder); base_dir None (a request over HTTP) takes no path, only a model of the store, the registry or the
+    cache by name: a client does not open files on the server. ModelfileError naming the line for a bad
+    Modelfile or a FROM that does not exist."""
     canonical = check_name(name)
     recipe = parse_modelfile(modelfile)
-    return _create(canonical, recipe, Path(base_dir), f"line {recipe.from_line} (FROM)")
+    return _create(canonical, recipe, base_dir, f"line {recipe.from_line} (FROM)")
 
 
 def create_from_fields(name: str, fields: Mapping[str, Any], *, base_dir: Path | None = None) -> CreatedModel:
     """Create `name` from /api/create's JSON fields (from, system, parameters, template, messages, license): the
-    same model as the Modelfile that writes them. ModelfileError naming the field."""
+    same model as the Modelfile that writes them; base_dir as create_model's. ModelfileError naming the field."""
     canonical = check_name(name)
     unknown = sorted(set(fields) - set(FIELDS))
     if unknown:
@@ -153,7 +164,7 @@ def create_from_fields(name: str, fields: Mapping[str, Any], *, base_dir: Path |
         raise ModelfileError(str(e)) from None
     recipe = Modelfile(from_=base.strip(), system=fields.get("system"), parameters=parameters, template=template,
                        messages=_messages(fields.get("messages")), license=_license(fields.get("license")))
-    return _create(canonical, recipe, Path(base_dir) if base_dir is not None else Path.cwd(), "from")
+    return _create(canonical, recipe, base_dir, "from")
 
 
 def _messages(messages: Any) -> list[dict] | None:
@@ -181,7 +192,7 @@ def _license(license: Any) -> str | None:
     raise ModelfileError(f"license: {license!r}: must be a string or a list of strings")
 
 
-def _create(name: str, recipe: Modelfile, base_dir: Path, where: str) -> CreatedModel:
+def _create(name: str, recipe: Modelfile, base_dir: Path | None, where: str) -> CreatedModel:
     base_path, parent = _resolve_from(recipe.from_, base_dir, where)
     # the canonical Modelfile names the base by its path: it creates the same model from anywhere
     effective = replace(recipe.inherit(parent.recipe) if parent is not None else recipe, from_=str(base_path))
@@ -201,12 +212,18 @@ def _create(name: str, recipe: Modelfile, base_dir: Path, where: str) -> Created
     return model
 
 
-def _resolve_from(base: str, base_dir: Path, where: str) -> tuple[Path, CreatedModel | None]:
-    """FROM as Ollama resolves it: an existing path first, then a created model, then a registry name."""
+def _resolve_from(base: str, base_dir: Path | None, where: str) -> tuple[Path, CreatedModel | None]:
+    """FROM as Ollama resolves it: an existing path first, then a created model, then a registry name. Without a
+    base_dir, the "path" is only a file or directory of the model cache, by its name (.gguf left out or not)."""
     from churon.loader import open_model  # the loader pulls in torch: only when a model is created
 
-    path = Path(base).expanduser()
-    path = path if path.is_absolute() else base_dir / path
+    if base_dir is None:
+        named = "/" not in base and "\\" not in base and ".." not in base  # a name, never a path out of the cache
+        cached = [models_dir() / base, models_dir() / f"{base}.gguf"] if named else []
+        path = next((p for p in cached if p.exists()), models_dir() / "NAME")
+    else:
+        path = Path(base).expanduser()
+        path = path if path.is_absolute() else base_dir / path
     if path.exists():
         try:
             open_model(path, pull=False)
@@ -221,7 +238,8 @@ def _resolve_from(base: str, base_dir: Path, where: str) -> tuple[Path, CreatedM
             return resolve_model(base, pull=True), None
         except ChuronError as e:
             raise ModelfileError(f"{where}: {base}: {e}") from None
-    raise ModelfileError(f"{where}: {base} does not exist: not a file or directory ({path}), a created model or a"
+    what = "a file or directory" if base_dir is not None else "a model in the server's cache"
+    raise ModelfileError(f"{where}: {base} does not exist: not {what} ({path}), a created model or a"
                          f" registry model (known: {', '.join(sorted(REGISTRY))})")
 
 
@@ -255,7 +273,7 @@ def copy_model(src: str, dst: str) -> CreatedModel:
     target = check_name(dst)
     model = get_model(src)
     if model is None:
-        return create_from_fields(target, {"from": src})
+        return create_from_fields(target, {"from": src}, base_dir=Path.cwd())
     copy = CreatedModel(**{**asdict(model), "name": target, "created_at": time.time()})
     _write(copy)
     return copy

@@ -85,7 +85,9 @@ def models_dir() -> Path:
 
 
 def registry_entry(name: str) -> RegistryModel | None:
-    return REGISTRY.get(ALIASES.get(name.lower(), name.lower()))
+    """The registry model a name means, case-insensitively, an alias or Ollama's ":latest" tag allowed."""
+    key = name.lower().removesuffix(":latest")
+    return REGISTRY.get(ALIASES.get(key, key))
 
 
 def resolve_model(model: str | os.PathLike, pull: bool = True) -> Path:

@@ -7,7 +7,8 @@
     plan()    the model's header read (never its weights): its task, and what it will hold (plan_share:
               weights as the file's size, activations, a KV cache from the server's per-model share); a created
               model's is its base's, with its num_ctx as max_model_len
-    load()    the LLM, with that KV cache (a created model's SYSTEM, TEMPLATE, ... are for the routes to apply)
+    load()    the LLM, with that KV cache and a created model's TEMPLATE (its SYSTEM, MESSAGEs and PARAMETERs
+              are for the routes to apply)
 
 Only names() are loaded for a request: a request naming a path is a 404, never a file opened on the server.
 """
@@ -105,8 +106,11 @@ class ModelCatalog:
             return None
 
     def load(self, plan: LoadPlan, pooling: str | None = None) -> LLM:
-        return LLM(plan.path, task=plan.task, pooling=pooling, dtype=self.dtype, kernels=self.kernels,
-                   threads=self.threads, **plan.engine_options)
+        llm = LLM(plan.path, task=plan.task, pooling=pooling, dtype=self.dtype, kernels=self.kernels,
+                  threads=self.threads, **plan.engine_options)
+        if plan.created is not None and plan.created.template is not None:  # its TEMPLATE, on every API
+            llm.tokenizer.chat_template = plan.created.template
+        return llm
 
     def _locate(self, model: str | Path, pull: bool) -> tuple[Path, CreatedModel | None]:
         created = get_model(str(model))

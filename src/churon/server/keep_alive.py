@@ -5,7 +5,9 @@
     0               unload the model as soon as this request is answered
     negative        keep it loaded for good (-1, "-1m"): math.inf here
 
-The request's keep_alive replaces the model's until the next request that gives one (Ollama's behaviour).
+A request's keep_alive holds for the time after that request; a request that gives none gets the server's
+--keep-alive again (Ollama's behaviour). A duration past MAX_SECONDS (a century) is for good: no clock
+date is that far.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ _PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
 _NUMBER = re.compile(r"[-+]?(\d+(\.\d*)?|\.\d+)")
 
 FOREVER = math.inf
+MAX_SECONDS = 100 * 365 * 86400.0
 
 
 def parse_keep_alive(value: str | int | float | None, where: str = "keep_alive") -> float | None:
@@ -33,7 +36,7 @@ def parse_keep_alive(value: str | int | float | None, where: str = "keep_alive")
         seconds = float(value)
         if math.isnan(seconds):
             raise ValueError(f"{where}={value!r}: {_EXPECTED}")
-    return FOREVER if seconds < 0 else seconds
+    return FOREVER if seconds < 0 or seconds > MAX_SECONDS else seconds
 
 
 _EXPECTED = ('give seconds (300), a duration ("5m", "30s", "1h"), 0 to unload the model once answered,'

@@ -259,8 +259,10 @@ class ServerState:
         return list(dict.fromkeys(names))
 
     def unload(self, name: str) -> None:
-        """Unload the model now (Ollama's keep_alive 0 with no prompt), or when its last request ends."""
-        served = self._loaded.get(name)
+        """Unload the model a request names, now (Ollama's keep_alive 0 with no prompt) or when its last request
+        ends; nothing when it is not loaded (it is never loaded to be unloaded)."""
+        found = self.catalog.find(name) if self.catalog is not None else None
+        served = next((self._loaded[c] for c in (name, name.removesuffix(":latest"), found) if c in self._loaded), None)
         if served is None:
             return
         served.keep_alive = 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 from datetime import datetime, timezone
 from importlib.metadata import version
 from pathlib import Path
@@ -22,6 +23,8 @@ from churon.server.ollama.errors import model_not_found
 from churon.server.ollama.model_info import ModelFiles, capabilities, describe
 from churon.server.ollama.protocol import ShowRequest
 from churon.server.state import ServerState, server_state
+
+log = logging.getLogger("churon.server")
 
 router = APIRouter()
 
@@ -85,9 +88,18 @@ def _listed(state: ServerState, name: str) -> dict[str, Any]:
             "details": e.details}
 
 
+def _listed_or_none(state: ServerState, name: str) -> dict[str, Any] | None:
+    try:
+        return _listed(state, name)
+    except Exception as e:  # one unreadable file (or a created model whose base is gone) is not the listing's error
+        log.warning("/api/tags: leaving out %r: %s", name, e)
+        return None
+
+
 @router.get("/api/tags")
 async def tags(state: ServerState = Depends(server_state)) -> dict[str, Any]:
-    return {"models": [await off_loop(_listed, state, name) for name in names(state)]}
+    listed = [await off_loop(_listed_or_none, state, name) for name in names(state)]
+    return {"models": [m for m in listed if m is not None]}
 
 
 def _parameters_text(parameters: dict[str, Any]) -> str:

@@ -52,13 +52,7 @@ def template_messages(messages: list[Message], model: str) -> list[dict[str, Any
 
 def conversation(served: ServedModel, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """A created model's seeded MESSAGEs, then the request's; its SYSTEM first unless the request has one."""
-    created = served.created
-    if created is None:
-        return messages
-    seeded = [dict(m) for m in created.messages] + messages
-    if created.system is not None and not any(m["role"] == "system" for m in seeded):
-        seeded.insert(0, {"role": "system", "content": created.system})
-    return seeded
+    return messages if served.created is None else served.created.conversation(messages)
 
 
 @router.post("/api/chat")
@@ -120,10 +114,13 @@ async def _chat_stream(generation: Generation, plan: ToolPlan, model: str, timer
 
 async def load_or_unload(request: Request, state: ServerState, name: str, keep_alive: Any, empty: dict[str, Any]):
     """A chat or generate request with nothing to answer: the model loaded (or kept), or, with keep_alive 0,
-    unloaded as it is released."""
+    unloaded (at once, or as its last request ends)."""
+
+    if keep_alive_seconds(keep_alive) == 0:  # `ollama stop`: a model that is not loaded is not loaded to be unloaded
+        state.unload(name)
+        return render.header(name) | empty | {"done": True, "done_reason": "unload"}
 
     async def work(served: ServedModel, timer: Timer):
-        unload = keep_alive_seconds(keep_alive) == 0
-        return render.header(name) | empty | {"done": True, "done_reason": "unload" if unload else "load"}
+        return render.header(name) | empty | {"done": True, "done_reason": "load"}
 
     return await with_model(request, state, name, "generate", keep_alive, work)

@@ -71,13 +71,14 @@ async def create(body: CreateRequest, state: ServerState = Depends(server_state)
         raise APIError(400, str(e), param="model")
     try:
         if body.modelfile is not None:
-            created = await asyncio.to_thread(model_store.create_model, name, body.modelfile, base_dir=Path.cwd())
+            created = await asyncio.to_thread(model_store.create_model, name, body.modelfile, base_dir=None)
         elif body.from_ is not None:
             created = await asyncio.to_thread(model_store.create_from_fields, name, _fields(body))
         else:
             raise APIError(400, "a create request needs `modelfile` or `from`", param="from")
     except (ChuronError, ValueError) as e:
         raise APIError(400, str(e), param="modelfile" if body.modelfile is not None else "from")
+    state.unload(created.name)  # a loaded model of that name had the old recipe: the next request loads the new one
     files = await asyncio.to_thread(describe, created.base_path)
 
     async def statuses() -> AsyncIterator[dict[str, Any]]:

@@ -82,7 +82,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
     calling = bool(tools) and choice.mode != "none"
     # without calls in play the response format stays the sampler's json_schema; with them it is part of the grammar
     try:
-        plan = await build_plan(llm, template_messages(body.messages), tools, choice, parallel=body.parallel_tool_calls,
+        messages = template_messages(body.messages)
+        if served.created is not None:  # a created model's SYSTEM and MESSAGEs (its TEMPLATE is its tokenizer's)
+            messages = served.created.conversation(messages)
+        plan = await build_plan(llm, messages, tools, choice, parallel=body.parallel_tool_calls,
                                 json_schema=response_format_schema(body) if calling else None)
     except ToolCallError as e:  # bad tools or tool_choice, or the chat template refused the conversation
         raise APIError(400, str(e), param=_openai_param(e.param))
