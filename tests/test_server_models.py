@@ -420,3 +420,18 @@ def test_churon_serve_refuses_a_keep_alive_that_does_not_parse(home):
                        text=True, timeout=60)
     assert r.returncode == 1
     assert r.stderr.startswith("churon: error: --keep-alive='5 minutes': not a duration; give seconds (300)")
+
+
+def test_a_request_for_the_other_task_is_a_400_before_any_load(home):
+    """/v1/embeddings naming a text model that is not loaded: its header says so, nothing is loaded (a load could
+    have unloaded another user's idle model)."""
+    cat = catalog()
+    app = app_with(cat)
+
+    async def main():
+        async with loaded_client(app) as http:
+            return await http.post("/v1/embeddings", json={"model": "a", "input": "hello"})
+
+    r = asyncio.run(main())
+    assert r.status_code == 400 and r.json()["error"]["code"] == "model_task_mismatch"
+    assert cat.loads == {}

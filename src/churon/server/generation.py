@@ -135,7 +135,7 @@ class Generation:
 
 async def start_generation(request: Request, state: ServerState, served: ServedModel, requests: list[EngineRequest],
                            prompt_param: str) -> Generation:
-    """Admit the requests and start them on the served model (ServerState.model's, for "generate");
+    """Admit the requests and start them on the served model (ServerState.model_for's, for "generate");
     prompt_param: the request field a too-long prompt came from."""
     state.ready()  # the shutdown may have begun while the prompt was built
     with state.admission.admit(len(requests)):

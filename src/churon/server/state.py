@@ -47,6 +47,7 @@ from churon.llm import LLM
 from churon.model_store import CreatedModel, get_model
 from churon.server.admission import Admission
 from churon.server.catalog import LoadPlan, ModelCatalog
+from churon.server.offload import off_loop
 from churon.server.drain import Drain
 from churon.server.errors import APIError
 from churon.server.keep_alive import FOREVER
@@ -204,6 +205,11 @@ class ServerState:
                 break
             loading = self._loading.get(key)
             if loading is None:
+                if self.catalog is not None and key not in self._preloads:
+                    # a request for the other task is its 400 before the load, which could unload an idle model
+                    self._check_model_task(key, await off_loop(self.catalog.task, key), task)
+                    if key in self._loaded or key in self._loading:  # loaded meanwhile: take that one
+                        continue
                 loading = self._loading[key] = asyncio.ensure_future(self._load(key))
             self._waiters[key] = self._waiters.get(key, 0) + 1
             try:
@@ -304,13 +310,17 @@ class ServerState:
         return " and ".join(repr(n) for n in self.available()) or "no model yet (`churon pull NAME`)"
 
     def _check_task(self, served: ServedModel, task: str) -> None:
-        if served.task == task:
+        self._check_model_task(served.name, served.task, task)
+
+    def _check_model_task(self, name: str, model_task: str | None, task: str) -> None:
+        """The 400 of a request for `task` naming a model of another task (None: not known yet)."""
+        if model_task is None or model_task == task:
             return
         other = next((m.name for m in self._loaded.values() if m.task == task), None)
-        if served.task == "embed":
-            message = f"{served.name!r} is an embedding model; use /v1/embeddings"
+        if model_task == "embed":
+            message = f"{name!r} is an embedding model; use /v1/embeddings"
         else:
-            message = f"{served.name!r} is a text-generation model, not an embedding model"
+            message = f"{name!r} is a text-generation model, not an embedding model"
         if other is not None:
             message += f" (this server's {_TASK_MODELS[task]} is {other!r})"
         elif task == "embed" and self.catalog is None:
