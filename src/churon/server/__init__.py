@@ -16,6 +16,7 @@
                    embedding inputs
     offload.py     chat templates and tokenization on a thread pool of their own, off the event loop
     generation.py  the engine requests of one HTTP request, run together; its 400s, 499 and 503
+    embedding.py   an embeddings request's inputs tokenized, checked, bounded and embedded (every API's)
     drain.py       the graceful shutdown: no new requests, a grace period, then every request ended properly
     metrics.py     Prometheus text
     system.py      /health, /metrics

@@ -9,53 +9,19 @@ The vectors are LLM.embed's, as the model's pooling makes them."""
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 
-from churon.errors import ContextLengthError
-from churon.llm import LLM
+from churon.server.embedding import embed_inputs
 from churon.server.errors import APIError
-from churon.server.generation import ClientDisconnected, until_ended
-from churon.server.offload import off_loop
 from churon.server.ollama.completion import with_model
 from churon.server.ollama.protocol import EmbeddingsRequest, EmbedRequest
 from churon.server.ollama.render import Timer
 from churon.server.state import ServedModel, ServerState, server_state
 
 router = APIRouter()
-
-
-def _token_ids(llm: LLM, inputs: Sequence[tuple[str, str]], truncate: bool) -> list[list[int]]:
-    """Each input's ids as the model embeds them, checked. Tokenizes: runs off the event loop."""
-    out = []
-    for param, text in inputs:
-        try:
-            ids = llm.encode_for_embedding(text, truncate)
-            llm.embedder.check_input(ids)
-        except ContextLengthError as e:
-            raise APIError(400, f"{param}: {e}; truncate: true cuts it to the model's context", param=param,
-                           code="context_length_exceeded")
-        except ValueError as e:  # e.g. a text the model gives no token at all
-            raise APIError(400, f"{param}: {e}", param=param)
-        out.append(ids)
-    return out
-
-
-async def _vectors(request: Request, state: ServerState, served: ServedModel, inputs: list[tuple[str, str]],
-                   truncate: bool) -> tuple[list[list[float]], int]:
-    state.limits.check_embedding_inputs(len(inputs))
-    ids = await off_loop(_token_ids, served.llm, inputs, truncate)
-    tokens = sum(len(x) for x in ids)
-    state.limits.check_prompt_tokens(tokens, "input", what="inputs")
-    with state.admission.admit(1):  # a --max-queue place until its vectors come
-        try:
-            vectors = await until_ended(request, state.drain, served.engine.embed(ids))
-        except ClientDisconnected:
-            raise APIError(499, "the client disconnected")
-    state.metrics.embedding_requests += 1
-    state.metrics.embedding_tokens += tokens
-    return vectors, tokens
+_HINT = "truncate: true cuts it to the model's context"
 
 
 def _shortened(vector: list[float], dimensions: int) -> list[float]:
@@ -74,7 +40,7 @@ async def embed(body: EmbedRequest, request: Request, state: ServerState = Depen
         if body.dimensions is not None and not 1 <= body.dimensions <= dim:
             raise APIError(400, f"dimensions={body.dimensions}: \"{body.model}\" gives {dim}-dimensional vectors;"
                            f" ask for 1 to {dim}", param="dimensions")
-        vectors, tokens = await _vectors(request, state, served, inputs, body.truncate) if inputs else ([], 0)
+        vectors, tokens = await embed_inputs(request, state, served, inputs, body.truncate, _HINT) if inputs else ([], 0)
         if body.dimensions is not None and body.dimensions < dim:
             vectors = [_shortened(v, body.dimensions) for v in vectors]
         return {"model": body.model, "embeddings": vectors, "total_duration": timer.total(),
@@ -88,7 +54,7 @@ async def embeddings(body: EmbeddingsRequest, request: Request, state: ServerSta
     async def work(served: ServedModel, timer: Timer) -> dict[str, Any]:
         if not body.prompt:  # Ollama's answer to an empty prompt
             return {"embedding": []}
-        [vector], _ = await _vectors(request, state, served, [("prompt", body.prompt)], truncate=True)
+        [vector], _ = await embed_inputs(request, state, served, [("prompt", body.prompt)], True, _HINT)
         return {"embedding": vector}
 
     return await with_model(request, state, body.model, "embed", body.keep_alive, work)

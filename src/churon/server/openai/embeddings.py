@@ -22,15 +22,12 @@ from __future__ import annotations
 import base64
 import json
 import struct
-from typing import Sequence
-
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
-from churon.errors import ContextLengthError
 from churon.llm import LLM
+from churon.server.embedding import Input, embed_inputs
 from churon.server.errors import APIError
-from churon.server.generation import ClientDisconnected, until_ended
 from churon.server.offload import off_loop
 from churon.server.openai.protocol import EmbeddingRequest
 from churon.server.state import ServerState, server_state
@@ -49,18 +46,8 @@ async def embeddings(body: EmbeddingRequest, request: Request, state: ServerStat
                        f" it gives {llm.embedding_dim} dimensions (leave dimensions out, or give {llm.embedding_dim})",
                        param="dimensions")
     truncate = _truncate(body.truncate_prompt_tokens, llm, served.name)
-    inputs = _inputs(body.input)
-    state.limits.check_embedding_inputs(len(inputs))
-    ids = await off_loop(_token_ids, inputs, llm, truncate)
-    tokens = sum(len(x) for x in ids)
-    state.limits.check_prompt_tokens(tokens, "input", what="inputs")
-    with state.admission.admit(1):  # a --max-queue place until its vectors come
-        try:
-            vectors = await until_ended(request, state.drain, served.engine.embed(ids))
-        except ClientDisconnected:
-            raise APIError(499, "the client disconnected")
-    state.metrics.embedding_requests += 1
-    state.metrics.embedding_tokens += tokens
+    vectors, tokens = await embed_inputs(request, state, served, _inputs(body.input), truncate,
+                                         "truncate_prompt_tokens=-1 asks for it")
     # megabytes of numbers for a large request: rendered on the prompt pool, not by FastAPI on the event loop
     text = await off_loop(_response, vectors, body.encoding_format, served.name, tokens)
     return Response(text, media_type="application/json")
@@ -79,33 +66,13 @@ def _truncate(k: int | None, llm: LLM, name: str) -> bool:
                    f" give -1 (or {limit}, {name!r}'s max length)", param="truncate_prompt_tokens")
 
 
-def _inputs(value: EmbeddingInput) -> list[tuple[str, str | list[int]]]:
+def _inputs(value: EmbeddingInput) -> list[Input]:
     """The request's inputs, each a string or a token-id list, with the field a 400 about it names."""
     if isinstance(value, str) or (value and isinstance(value[0], int)):
         return [("input", value)]
     if not value:
         raise APIError(400, "input is empty: give a string, a list of strings or a list of token ids", param="input")
     return [(f"input[{i}]", x) for i, x in enumerate(value)]
-
-
-def _token_ids(inputs: Sequence[tuple[str, str | list[int]]], llm: LLM, truncate: bool) -> list[list[int]]:
-    """Each input's token ids as the model embeds them, checked. Tokenizes: runs off the event loop."""
-    embedder = llm.embedder
-    out = []
-    for param, x in inputs:
-        try:
-            if isinstance(x, str):
-                ids = llm.encode_for_embedding(x, truncate)
-                embedder.check_input(ids)
-            else:
-                ids = embedder.prepare(x, truncate)
-        except ContextLengthError as e:
-            raise APIError(400, f"{param}: {e}; truncate_prompt_tokens=-1 asks for it", param=param,
-                           code="context_length_exceeded")
-        except ValueError as e:  # empty, or a token id outside the vocabulary
-            raise APIError(400, f"{param}: {e}", param=param)
-        out.append(ids)
-    return out
 
 
 def _response(vectors: list[list[float]], encoding_format: str, model: str, tokens: int) -> bytes:
