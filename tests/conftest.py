@@ -2,6 +2,8 @@ import os
 
 import pytest
 
+from churon import kernels
+
 # Tests never reach a model hub: real weights come from the registry package, tiny ones are built here.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -48,3 +50,22 @@ def tiny_bert_dir(tmp_path_factory):
     from tiny_models import make_bert_model
 
     return make_bert_model(tmp_path_factory.mktemp("tiny-bert"))
+
+
+# --- the native kernels: each ISA this CPU runs, and the thread count, restored after the test ---
+KERNEL_ISAS = kernels.cpu.available_isas() if kernels.cpu is not None else []
+
+
+@pytest.fixture(params=KERNEL_ISAS)
+def isa(request):
+    before = kernels.cpu.isa()
+    kernels.cpu.set_isa(request.param)
+    yield request.param
+    kernels.cpu.set_isa(before)
+
+
+@pytest.fixture
+def threads():
+    before = kernels.cpu.get_num_threads()
+    yield kernels.cpu.set_num_threads
+    kernels.cpu.set_num_threads(before)

@@ -35,20 +35,6 @@ def gen(*key) -> torch.Generator:
     return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
 
 
-@pytest.fixture(params=ISAS)
-def isa(request):
-    before = cpu.isa()
-    cpu.set_isa(request.param)
-    yield request.param
-    cpu.set_isa(before)
-
-
-@pytest.fixture
-def threads():
-    before = cpu.get_num_threads()
-    yield cpu.set_num_threads
-    cpu.set_num_threads(before)
-
 
 def backends():
     from churon.model.native_backend import NativeBackend

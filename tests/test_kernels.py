@@ -75,20 +75,6 @@ def matmul(q, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor
     return y
 
 
-@pytest.fixture(params=ISAS)
-def isa(request):
-    before = cpu.isa()
-    cpu.set_isa(request.param)
-    yield request.param
-    cpu.set_isa(before)
-
-
-@pytest.fixture
-def threads():
-    before = cpu.get_num_threads()
-    yield cpu.set_num_threads
-    cpu.set_num_threads(before)
-
 
 # ---------------------------------------------------------------------------
 # ISA selection and the module
