@@ -504,12 +504,7 @@ def write_gguf(hf_dir: Path, out_path: Path, qtype: str = "F32") -> Path:
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     _set_vocab_gpt2(writer, hf_dir, hparams)
 
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    writer.write_header_to_file(path=out_path)
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return out_path
+    return _write_file(writer, out_path)
 
 
 def _set_gguf_parameters(writer: gguf.GGUFWriter, hparams: dict, arch: str, n_blocks: int,
@@ -851,12 +846,7 @@ def write_bert_gguf(hf_dir: Path, out_path: Path, qtype: str = "F32") -> Path:
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     _set_vocab_bert(writer, hf_dir, hparams)
 
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    writer.write_header_to_file(path=out_path)
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return out_path
+    return _write_file(writer, out_path)
 
 
 def _st_pooling_type(hf_dir: Path) -> gguf.PoolingType | None:
@@ -914,3 +904,13 @@ def _set_vocab_bert(writer: gguf.GGUFWriter, hf_dir: Path, hparams: dict) -> Non
     writer.add_token_list([phantom(t, k) for t, k in zip(tokens, toktypes)])
     writer.add_token_types(toktypes)
     gguf.SpecialVocab(hf_dir, n_vocab=len(tokens)).add_to_gguf(writer, quiet=True)
+
+
+def _write_file(writer: gguf.GGUFWriter, out_path: Path) -> Path:
+    """Header, key/values and tensors, in GGUFWriter's order."""
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    writer.write_header_to_file(path=out_path)
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out_path

@@ -195,13 +195,7 @@ def _hf_metadata(w: gguf.GGUFWriter, source: HFModel) -> None:
     if isinstance(c, EncoderConfig):
         _hf_encoder_metadata(w, source)
         return
-    w.add_type(gguf.GGUFType.MODEL)
-    w.add_name(source.path.name)
-    w.add_block_count(c.num_layers)
-    w.add_context_length(c.context_length)
-    w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_heads)
+    _text_model_metadata(w, source)
     w.add_head_count_kv(c.num_kv_heads)
     w.add_rope_freq_base(c.rope_theta)
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
@@ -221,11 +215,8 @@ def _hf_metadata(w: gguf.GGUFWriter, source: HFModel) -> None:
     _hf_vocab(w, source)
 
 
-def _hf_encoder_metadata(w: gguf.GGUFWriter, source: HFModel) -> None:
-    """The fields convert_hf_to_gguf.py's BertModel writes: TextModel.set_gguf_parameters' (there is no
-    head_count_kv in a BERT config), attention.causal false, the pooling type of a sentence-transformers
-    directory (_try_set_pooling_type; a GGUF has no field for Normalize: llama.cpp's server normalizes
-    by default, and churon reads every GGUF pooling as normalized), and set_vocab's."""
+def _text_model_metadata(w: gguf.GGUFWriter, source: HFModel) -> None:
+    """What convert_hf_to_gguf.py's TextModel.set_gguf_parameters writes for every architecture, decoder or encoder."""
     c = source.config
     w.add_type(gguf.GGUFType.MODEL)
     w.add_name(source.path.name)
@@ -234,6 +225,15 @@ def _hf_encoder_metadata(w: gguf.GGUFWriter, source: HFModel) -> None:
     w.add_embedding_length(c.hidden_size)
     w.add_feed_forward_length(c.intermediate_size)
     w.add_head_count(c.num_heads)
+
+
+def _hf_encoder_metadata(w: gguf.GGUFWriter, source: HFModel) -> None:
+    """The fields convert_hf_to_gguf.py's BertModel writes: TextModel.set_gguf_parameters' (there is no
+    head_count_kv in a BERT config), attention.causal false, the pooling type of a sentence-transformers
+    directory (_try_set_pooling_type; a GGUF has no field for Normalize: llama.cpp's server normalizes
+    by default, and churon reads every GGUF pooling as normalized), and set_vocab's."""
+    c = source.config
+    _text_model_metadata(w, source)
     w.add_layer_norm_eps(c.layer_norm_eps)
     w.add_causal_attention(False)
     if source.pooling is not None:
