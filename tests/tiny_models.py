@@ -7,6 +7,7 @@ only here; churon never imports it.
     make_hf_model(arch, dir)             tiny random Llama / Qwen2 / Qwen3, saved with save_pretrained
     write_gguf(hf_dir, path, qtype)      converts that directory the way llama.cpp's convert_hf_to_gguf.py does
     reference_model(hf_dir, gguf_path)   the transformers model, optionally with the weights stored in the GGUF
+    make_peft_adapter(hf_dir, dir)       a random LoRA adapter for that model, saved by PEFT (peft_model: attached)
     make_bert_model(dir)                 tiny random BERT as a sentence-transformers directory (WordPiece tokenizer)
     write_bert_gguf(hf_dir, path, qtype) converts it the way convert_hf_to_gguf.py's BertModel does
 
@@ -914,3 +915,39 @@ def _write_file(writer: gguf.GGUFWriter, out_path: Path) -> Path:
     writer.write_tensors_to_file()
     writer.close()
     return out_path
+
+
+# --------------------------------------------------------------------------------------------------
+# LoRA adapters (PEFT is the reference for them)
+# --------------------------------------------------------------------------------------------------
+
+LORA_ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def make_peft_adapter(hf_dir: Path, out_dir: Path, *, rank: int = 4, alpha: float = 8.0,
+                      targets: tuple[str, ...] = LORA_ALL_TARGETS, use_rslora: bool = False, seed: int = 0,
+                      std: float = 0.1, rank_pattern: dict | None = None, alpha_pattern: dict | None = None) -> Path:
+    """A random LoRA adapter for the model in hf_dir, saved by PEFT's save_pretrained (adapter_config.json +
+    adapter_model.safetensors). A and B ~ N(0, std), seeded: PEFT's own init leaves B zero, which would make
+    every adapter a no-op. Returns out_dir."""
+    import peft
+
+    model = reference_model(hf_dir)
+    config = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets), use_rslora=use_rslora,
+                             lora_dropout=0.0, bias="none", rank_pattern=rank_pattern or {},
+                             alpha_pattern=alpha_pattern or {})
+    model = peft.get_peft_model(model, config)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_A" in name or "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+    model.save_pretrained(Path(out_dir))
+    return Path(out_dir)
+
+
+def peft_model(hf_dir: Path, adapter_dir: Path, gguf_path: Path | None = None) -> torch.nn.Module:
+    """reference_model(hf_dir, gguf_path) with the PEFT adapter in adapter_dir attached (unmerged), fp32 eval."""
+    import peft
+
+    return peft.PeftModel.from_pretrained(reference_model(hf_dir, gguf_path), Path(adapter_dir)).eval()
