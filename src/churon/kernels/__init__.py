@@ -42,6 +42,9 @@ The raw API (all tensors float32 and C-contiguous unless said; pointers are ints
                      row_stride=0)                                   # encoder attention over packed sequences:
                                                                      # q, k, v = qkv columns [0,H) [H,2H) [2H,3H);
                                                                      # seq_starts int64 [n_seqs + 1]; out [tokens, H]
+    lora_add(y_ptr, y_stride, x_ptr, x_stride, tokens, in_features, out_features, slots_ptr,
+             scales_ptr, table_ptr, n_slots)                         # y[t] += B_s (scales[t] A_s x[t]), slots
+                                                                     # int32 (-1: none); table: ops.LoraStack
     read_bytes(ptr, nbytes, repeat=1)                                # memory-bandwidth probe
     pool_stats(reset=False) -> [jobs, items, caller_items, wait_ns, long_waits, solo_jobs]
 

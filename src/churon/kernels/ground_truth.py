@@ -218,3 +218,16 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             scores = (keys[:, kv] @ q[s, h]) * scale  # [n]
             out[s, h] = torch.softmax(scores, dim=0) @ values[:, kv]
     return out
+
+
+def lora_add(y: torch.Tensor, x: torch.Tensor, pairs, slots: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """y + B_s @ (scales[t] * (A_s @ x[t])) for every token t whose slot s = slots[t] >= 0 has a pair (A [R, in],
+    B [out, R]) in pairs (None: no adapter), in x's dtype (float64 for an exact reference); y is not written."""
+    out = y.clone()
+    for s, pair in enumerate(pairs):
+        rows = slots.long() == s
+        if pair is None or not bool(rows.any()):
+            continue
+        a, b = (w.to(x.dtype) for w in pair)
+        out[rows] += ((x[rows] @ a.T) * scales[rows].to(x.dtype).unsqueeze(1)) @ b.T
+    return out

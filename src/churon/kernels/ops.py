@@ -272,3 +272,107 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                             seq_lens.data_ptr(), out.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim,
                             block_size, float(scale), block_table.shape[1], 0, kv_dtype)
     return out
+
+
+LORA_BAND_ROWS = 16  # B's outputs are sorted into bands by their nonzero ranks this many rows at a time
+
+
+class LoraStack:
+    """One matrix's LoRA adapters by slot, as the lora_add kernel reads them: per slot with a pair, A [R, in]
+    and B's transpose [R, out] (the expand pass reads a row of `out` values per rank), float32, and B's
+    bands: runs of outputs whose nonzero entries lie in one range of ranks, so that the kernel skips the zero
+    blocks of a fused matrix's block-diagonal B (the q, k and v outputs each read their own ranks only).
+    `table` int64 [slots, 5] is the kernel's slot table (A's and Bt's addresses, the rank, the bands'
+    address and count; zeros where a slot has no pair)."""
+
+    def __init__(self, pairs):
+        self.slots = len(pairs)
+        self.in_features = self.out_features = None
+        self.a: list[torch.Tensor | None] = []
+        self.bt: list[torch.Tensor | None] = []
+        self.bands: list[torch.Tensor | None] = []
+        self.table = torch.zeros(max(self.slots, 1), 5, dtype=torch.int64)
+        for s, pair in enumerate(pairs):
+            if pair is None:
+                self.a.append(None)
+                self.bt.append(None)
+                self.bands.append(None)
+                continue
+            a, b = pair
+            if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1] or a.shape[0] < 1:
+                raise ValueError(f"LoRA slot {s}: A {tuple(a.shape)} and B {tuple(b.shape)} must be [R, in] and "
+                                 f"[out, R] with the same rank R >= 1")
+            if self.in_features is None:
+                self.in_features, self.out_features = a.shape[1], b.shape[0]
+            elif (a.shape[1], b.shape[0]) != (self.in_features, self.out_features):
+                raise ValueError(f"LoRA slot {s}: A {tuple(a.shape)} and B {tuple(b.shape)} do not map "
+                                 f"{self.in_features} features to {self.out_features} like the other slots")
+            a = a.detach().to(torch.float32).contiguous()
+            b = b.detach().to(torch.float32)
+            bt = b.T.contiguous()
+            bands = _lora_bands(b)
+            self.a.append(a)
+            self.bt.append(bt)
+            self.bands.append(bands)
+            self.table[s] = torch.tensor([a.data_ptr(), bt.data_ptr(), a.shape[0], bands.data_ptr(), bands.shape[0]])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.a + self.bt + self.bands if t is not None)
+
+
+def _lora_bands(b: torch.Tensor) -> torch.Tensor:
+    """int64 [n, 4] (o0, o1, r0, r1), ascending and disjoint: B's nonzero entries of rows [o0, o1) lie in columns
+    [r0, r1); rows in no band are zero. Decided LORA_BAND_ROWS rows at a time (the union of their columns), so
+    that a stray zero weight never splits a band; a fused B's parts begin at multiples of 16 rows."""
+    out, rank = b.shape
+    groups = -(-out // LORA_BAND_ROWS)
+    nonzero = torch.zeros(groups * LORA_BAND_ROWS, rank, dtype=torch.bool)
+    nonzero[:out] = b != 0
+    cols = nonzero.view(groups, LORA_BAND_ROWS, rank).any(1).to(torch.int8)  # [groups, rank]
+    used = cols.any(1)
+    first = torch.where(used, cols.argmax(1), -1)
+    end = torch.where(used, rank - cols.flip(1).argmax(1), -1)
+    keys = torch.stack([first, end], 1)
+    starts = torch.ones(groups, dtype=torch.bool)
+    starts[1:] = (keys[1:] != keys[:-1]).any(1)
+    g0 = starts.nonzero().squeeze(1)
+    g1 = torch.cat([g0[1:], torch.tensor([groups])])
+    bands = torch.stack([g0 * LORA_BAND_ROWS, (g1 * LORA_BAND_ROWS).clamp(max=out), keys[g0, 0], keys[g0, 1]], 1)
+    return bands[bands[:, 2] >= 0].contiguous()
+
+
+def lora_add(y: torch.Tensor, x: torch.Tensor, stack: LoraStack, slots: torch.Tensor,
+             scales: torch.Tensor) -> torch.Tensor:
+    """In place: y[t] += B_s @ (scales[t] * (A_s @ x[t])) for every token t whose slot s = slots[t] >= 0 has a
+    pair in stack; returns y. x float32 [tokens, in], y float32 [tokens, out] (rows of either may be strided,
+    columns not), slots int32 [tokens] (-1: none), scales float32 [tokens]. The checks are one expression (this
+    runs four times a layer); only a failing call works out which argument is wrong."""
+    fin, fout = stack.in_features, stack.out_features
+    if fin is None:  # no slot has a pair
+        return y
+    tokens = x.shape[0]
+    f32 = torch.float32
+    if not (x.dtype is f32 and y.dtype is f32 and scales.dtype is f32 and slots.dtype is torch.int32
+            and x.is_cpu and y.is_cpu and slots.is_cpu and scales.is_cpu
+            and x.shape == (tokens, fin) and y.shape == (tokens, fout) and slots.shape == (tokens,)
+            and scales.shape == (tokens,) and x.stride(1) == 1 and y.stride(1) == 1
+            and slots.is_contiguous() and scales.is_contiguous()):
+        _lora_argument_error(y, x, stack, slots, scales)
+    _cpu().lora_add(y.data_ptr(), y.stride(0), x.data_ptr(), x.stride(0), tokens, fin, fout, slots.data_ptr(),
+                    scales.data_ptr(), stack.table.data_ptr(), stack.slots)
+    return y
+
+
+def _lora_argument_error(y, x, stack: LoraStack, slots, scales):
+    for t, name in ((x, "x"), (y, "y")):
+        if t.dtype != torch.float32 or t.device.type != "cpu" or t.dim() != 2 or t.stride(1) != 1:
+            raise ValueError(f"lora_add: {name} must be a float32 CPU tensor [tokens, features] with unit column "
+                             f"stride, got {t.dtype} {tuple(t.shape)} strides {t.stride()}")
+    _check(slots, "lora_add: slots", torch.int32)
+    _check(scales, "lora_add: scales")
+    if y.shape[0] != x.shape[0] or slots.shape != x.shape[:1] or scales.shape != x.shape[:1]:
+        raise ValueError(f"lora_add: x {tuple(x.shape)}, y {tuple(y.shape)}, slots {tuple(slots.shape)} and scales "
+                         f"{tuple(scales.shape)} must have one row per token")
+    raise ValueError(f"lora_add: x {tuple(x.shape)} and y {tuple(y.shape)} do not match the adapters' "
+                     f"{stack.in_features} -> {stack.out_features} features")

@@ -131,6 +131,47 @@ static inline int64_t packed_attn_scratch_floats(int64_t max_len, int64_t head_d
   return dp * lp + lp * dp + 8 * lp + 8 * dp + 64;
 }
 
+// LoRA (lora_add): y[t] += B_s (scale_t * (A_s x[t])) for the tokens t of adapter slot s, in two
+// passes over the tokens grouped by slot (order: token indices, slot by slot). shrink: h[p][r] =
+// scale * dot(A_s[r], x[order[p]]) for r in [r0, r1); expand: y[order[p]][o] += sum over r in
+// [r0, r1) of Bt_s[r][o] * h[p][r] for o in [o0, o1), one *band* of B: the outputs whose nonzero
+// entries lie in those ranks (a fused qkv or gate_up B is block-diagonal: each part's outputs read
+// only its own ranks). A task covers kLoraTokens positions of one slot and kLoraRanks ranks (shrink)
+// or kLoraOuts outputs of one band (expand); each (token, r) dot product and each (token, o) sum has
+// one fixed order whoever computes it, with whatever other tokens.
+constexpr int64_t kLoraTokens = 16;
+constexpr int64_t kLoraRanks = 16;
+constexpr int64_t kLoraOuts = 256;
+
+// lora_add's slot table, kLoraFields int64 per slot: the address of A [rank, in], of B transposed
+// [rank, out] (float32, row-major), the rank, the address of the bands (int64 [n, 4]: o0, o1, r0, r1)
+// and their count n; all 0 for a slot without an adapter.
+constexpr int64_t kLoraFields = 5;
+
+struct LoraArgs {
+  const float* x;          // [tokens, x_stride]
+  float* y;                // [tokens, y_stride]
+  int64_t x_stride, y_stride, in, out;
+  const int32_t* order;    // [grouped tokens]: token indices, grouped by slot
+  const float* scales;     // [tokens]
+  const int64_t* table;    // [slots, kLoraFields]
+  float* h;                // [grouped tokens, h_stride]: scale * A x
+  int64_t h_stride;
+};
+
+struct LoraTask {
+  int64_t slot, p0, p1;  // positions [p0, p1) of order
+  int64_t o0, o1;        // outputs (expand)
+  int64_t r0, r1;        // ranks
+};
+
+static inline const float* lora_a(const LoraArgs& g, int64_t slot) {
+  return reinterpret_cast<const float*>(g.table[slot * kLoraFields]);
+}
+static inline const float* lora_bt(const LoraArgs& g, int64_t slot) {
+  return reinterpret_cast<const float*>(g.table[slot * kLoraFields + 1]);
+}
+
 // Everything an ISA provides. Row/group ranges let the caller split work across threads;
 // each kernel computes any one row the same way whatever range it is called with.
 struct KernelTable {
@@ -166,6 +207,9 @@ struct KernelTable {
   uint64_t (*read_bytes)(const uint8_t* p, int64_t n);
   // dst[i] = src[i] as float16 (bf16 false) or bfloat16, round to nearest even
   void (*to_half)(const float* src, uint16_t* dst, int64_t n, bool bf16);
+  // LoRA tasks [t0, t1): shrink writes h, expand adds to y (see LoraArgs)
+  void (*lora_shrink)(const LoraArgs& a, const LoraTask* tasks, int64_t t0, int64_t t1);
+  void (*lora_expand)(const LoraArgs& a, const LoraTask* tasks, int64_t t0, int64_t t1);
 };
 
 namespace scalar { const KernelTable* table(); }

@@ -6,7 +6,8 @@
 // time. A vector loop is written once against simd.h, which maps it onto the ISA of this copy
 // (K_SIMD: AVX-512 or AVX2); `#else` is the scalar copy's loop. Loops whose shape is an ISA's
 // own come from one file per ISA: the quantized matmul tiles (matmul_<isa>.inc) and the
-// AVX-512 attention kernel (attention_avx512.inc). What is not specialised is plain C++ that
+// AVX-512 attention kernel (attention_avx512.inc); LoRA's kernels (lora.inc) are written once
+// against simd.h, in a file of their own. What is not specialised is plain C++ that
 // each copy compiles (and auto-vectorises) for its ISA.
 //
 // Everything lives in an anonymous namespace (internal linkage) and uses no out-of-line
@@ -987,13 +988,18 @@ uint64_t read_bytes(const uint8_t* p, int64_t n) {
   return h;
 }
 
+// ===========================================================================
+// LoRA: shrink (h = scale * A x) and expand (y += B h) over tokens grouped by adapter
+
+#include "lora.inc"
+
 }  // namespace
 
 const KernelTable* table() {
   static const KernelTable t = {
       CHURON_STR(CHURON_ISA), quantize_act, gemm, dequant_rows, dequant_rows_bf16,
       rms_norm, add_rms_norm, rope, layer_norm, gelu, swiglu, softmax, attn_partial, attn_combine, attn_packed,
-      read_bytes, to_half,
+      read_bytes, to_half, lora_shrink, lora_expand,
   };
   return &t;
 }

@@ -91,6 +91,16 @@ PYBIND11_MODULE(_cpu, m) {
         " heads * head_dim; seq_starts int64 [n_seqs + 1] (0, len0, len0 + len1, ..., tokens); out float32"
         " [tokens, H]. Each row's result is the same whatever else is packed with it and whatever the"
         " thread count.");
+  m.def("lora_add", &lora_add, py::arg("y_ptr"), py::arg("y_stride"), py::arg("x_ptr"), py::arg("x_stride"),
+        py::arg("tokens"), py::arg("in_features"), py::arg("out_features"), py::arg("slots_ptr"), py::arg("scales_ptr"),
+        py::arg("table_ptr"), py::arg("n_slots"),
+        "In place: y[t] += B_s @ (scales[t] * (A_s @ x[t])) for each token t whose slot s = slots[t] (int32,"
+        " -1: none) has an adapter; x float32 [tokens, in] and y [tokens, out], rows x_stride / y_stride"
+        " floats apart; scales float32 [tokens]. table int64 [n_slots, 5], per slot: the address of A"
+        " [rank, in] and of B transposed [rank, out] (float32, row-major), the rank, the address of its"
+        " bands (int64 [n, 4]: outputs [o0, o1) read ranks [r0, r1) of B, ascending and disjoint; outputs"
+        " in no band get nothing) and n; all 0 where the slot has no adapter. A token's result depends"
+        " only on its own row, slot and scale.");
   m.def("read_bytes", &read_bytes, py::arg("ptr"), py::arg("nbytes"), py::arg("repeat") = 1,
         "Read memory with all threads (a bandwidth probe for benchmarks).");
 

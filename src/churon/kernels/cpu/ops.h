@@ -1,4 +1,4 @@
-// Row ops, RoPE and the KV cache, attention: what churon._cpu exposes besides QMatrix. Arguments
+// Row ops, RoPE and the KV cache, attention, LoRA: what churon._cpu exposes besides QMatrix. Arguments
 // are raw addresses (Python ints from tensor.data_ptr()); the docstrings in module.cpp give the
 // shapes and dtypes.
 #pragma once
@@ -38,6 +38,12 @@ void attention_decode(uintptr_t qp, uintptr_t kp, uintptr_t vp, uintptr_t btp, u
 // sequences packed back to back (seq_starts int64 [n_seqs + 1]: 0, ..., tokens); out [tokens, heads * head_dim]
 void attention_packed(uintptr_t qkvp, uintptr_t startsp, uintptr_t outp, int64_t tokens, int64_t n_seqs,
                       int64_t heads, int64_t head_dim, double scale, int64_t row_stride);
+
+// LoRA, in place: y[t] += B_s (scales[t] * (A_s x[t])) for every token t whose slot s = slots[t] (int32,
+// -1: none) has an adapter; the slot table's layout is in common.h (kLoraFields). x rows x_stride floats
+// apart, y rows y_stride; scales float32 [tokens].
+void lora_add(uintptr_t yp, int64_t y_stride, uintptr_t xp, int64_t x_stride, int64_t tokens, int64_t in,
+              int64_t out, uintptr_t slotsp, uintptr_t scalesp, uintptr_t tablep, int64_t n_slots);
 
 // bandwidth probe for benchmarks: read nbytes at ptr with all threads, `repeat` times
 uint64_t read_bytes(uintptr_t p, int64_t nbytes, int64_t repeat);
