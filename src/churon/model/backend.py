@@ -12,7 +12,7 @@ that memory (churon.engine.kv_cache) and passes it in with every step.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Protocol, Sequence
 
 import torch
 
@@ -94,4 +94,16 @@ class Backend(Protocol):
 
     def attention(self, q: torch.Tensor, cache: KVCache, layer: int, batch: ForwardBatch, scale: float) -> torch.Tensor:
         """Causal attention of each sequence's new tokens q [tokens, heads, head_dim] over its cached keys."""
+        ...
+
+    def lora_stack(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor] | None]) -> Any:
+        """One fused matrix's LoRA adapters by slot: (A [R, in], B [out, R]) float32 with the module scales
+        folded into B, or None where that slot has no adapter on this matrix. The result is what add_lora reads."""
+        ...
+
+    def add_lora(self, y: torch.Tensor, x: torch.Tensor, stack: Any, slots: torch.Tensor, scales: torch.Tensor) -> None:
+        """In place: y[t] += B_s @ (scales[t] * (A_s @ x[t])) for every token t whose slot s = slots[t] >= 0 has a
+        pair in stack. x [tokens, in], y [tokens, out] (rows may be strided), slots int32 [tokens] (-1: none),
+        scales float32 [tokens] (the request's lora_scale). A token's result depends only on its own row and
+        adapter (the native backend: bitwise, whatever else is in the batch)."""
         ...

@@ -3,7 +3,8 @@
 Tokens of all sequences are laid end to end ([tokens] "flat" layout). For each token: its
 id, its position in its sequence and the KV-cache slot its keys and values go to. For each
 sequence: where its tokens start in the flat layout, how many keys its attention sees, and
-its block table. logits_indices says which tokens' logits the step returns.
+its block table. logits_indices says which tokens' logits the step returns. A sequence run under
+a LoRA adapter gives each of its tokens the adapter's slot and the request's lora_scale.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ class SequenceChunk:
     block_table: Sequence[int]
     need_logits: bool = True  # logits of the last token
     all_logits: bool = False  # logits of every token (evaluation)
+    lora_slot: int = -1  # the LoRA adapter's slot (churon.model.lora.LoraSlots); -1: none
+    lora_scale: float = 1.0  # multiplies the adapter's delta (the request's lora_scale)
 
 
 @dataclass
@@ -38,6 +41,10 @@ class ForwardBatch:
     # and how many keys it sees (its position + 1)
     token_block_tables: torch.Tensor  # int32 [tokens, max_blocks]
     token_context_lens: torch.Tensor  # int32 [tokens]
+    # per token, when some sequence runs under a LoRA adapter: its slot (-1: none) and scale; both None
+    # otherwise, so a step without adapters pays nothing for them
+    lora_slots: torch.Tensor | None = None  # int32 [tokens]
+    lora_scales: torch.Tensor | None = None  # float32 [tokens]
 
     @property
     def num_tokens(self) -> int:
@@ -65,6 +72,8 @@ class ForwardBatch:
                 raise ValueError(f"sequence chunk {i}: start {c.start} outside its {end} tokens")
             if -(-end // block_size) > len(c.block_table):
                 raise ValueError(f"sequence chunk {i}: {end} tokens need more than its {len(c.block_table)} blocks")
+            if c.lora_slot < -1:
+                raise ValueError(f"sequence chunk {i}: LoRA slot {c.lora_slot} (a slot is >= 0, or -1 for none)")
             ids.extend(c.token_ids[c.start :])
             positions.extend(range(c.start, end))
             table = list(c.block_table)
@@ -79,6 +88,10 @@ class ForwardBatch:
         block_tables = torch.tensor(tables, dtype=torch.int32)
         positions_t = torch.tensor(positions, dtype=torch.int64)
         seq_of_token = torch.repeat_interleave(torch.arange(len(chunks)), torch.tensor(query_start).diff())
+        lora_slots = lora_scales = None
+        if any(c.lora_slot >= 0 for c in chunks):
+            lora_slots = torch.tensor([c.lora_slot for c in chunks], dtype=torch.int32)[seq_of_token]
+            lora_scales = torch.tensor([c.lora_scale for c in chunks], dtype=torch.float32)[seq_of_token]
         return cls(
             input_ids=torch.tensor(ids, dtype=torch.int64),
             positions=positions_t,
@@ -89,6 +102,8 @@ class ForwardBatch:
             logits_indices=torch.tensor(logits_indices, dtype=torch.int64),
             token_block_tables=block_tables[seq_of_token].contiguous(),
             token_context_lens=(positions_t + 1).to(torch.int32),
+            lora_slots=lora_slots,
+            lora_scales=lora_scales,
         )
 
 

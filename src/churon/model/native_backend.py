@@ -148,6 +148,16 @@ class NativeBackend:
         )
         return out
 
+    def lora_stack(self, pairs) -> ops.LoraStack:
+        """Per slot A [R, in] and B's transpose [R, out], float32, as the lora_add kernel reads them."""
+        return ops.LoraStack(pairs)
+
+    def add_lora(self, y: torch.Tensor, x: torch.Tensor, stack: ops.LoraStack, slots: torch.Tensor,
+                 scales: torch.Tensor) -> None:
+        """y[t] += B_s @ (scales[t] * (A_s @ x[t])) in place, the step's tokens grouped by adapter; a token's
+        bits depend only on its own row, slot and scale (not on the batch, its position or the thread count)."""
+        ops.lora_add(y, x, stack, slots, scales)
+
 
 def _scale_ptrs(cache: KVCache, layer: int) -> tuple[int, int]:
     """Addresses of an int8 cache's K and V scales of one layer (0 for float caches)."""

@@ -6,6 +6,8 @@ not batch-invariant (the native backend is both fast and batch-invariant).
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 import torch.nn.functional as F
 
@@ -117,6 +119,21 @@ class ReferenceBackend:
                 enable_gqa=heads != kv_heads,
             ).transpose(0, 1)
         return out
+
+    def lora_stack(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor] | None]) -> list:
+        """The pairs by slot, float32 whatever the activations (the adapters' own precision)."""
+        return [None if p is None else (p[0].float().contiguous(), p[1].float().contiguous()) for p in pairs]
+
+    def add_lora(self, y: torch.Tensor, x: torch.Tensor, stack: list, slots: torch.Tensor,
+                 scales: torch.Tensor) -> None:
+        """y[t] += B_s @ (scales[t] * (A_s @ x[t])): each slot's tokens as one pair of matmuls, in float32."""
+        for s in slots.unique().tolist():
+            if not 0 <= s < len(stack) or stack[s] is None:
+                continue
+            a, b = stack[s]
+            rows = (slots == s).nonzero().squeeze(1)
+            low = F.linear(x[rows].float(), a) * scales[rows, None]
+            y.index_add_(0, rows, F.linear(low, b).to(y.dtype))
 
 
 def _causal_mask(n: int, start: int) -> torch.Tensor:
