@@ -237,12 +237,18 @@ class EngineConfig:
     max_model_len: int | None = None  # cap on a sequence's length (default: the model's context length)
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    max_loras: int = 8  # LoRA adapters loaded at once (each holds a slot the batch's tokens pick); 0: none
+    max_lora_rank: int = 64  # the largest rank an adapter may have
 
     def __post_init__(self):
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"invalid engine setting {name}={value!r}: must be an integer >= 1")
+        for name, low in (("max_loras", 0), ("max_lora_rank", 1)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"invalid engine setting {name}={value!r}: must be an integer >= {low}")
         if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
             raise ValueError(f"invalid engine setting kv_cache_memory={self.kv_cache_memory!r}: must be > 0 bytes")
         if not 0 < self.kv_cache_fraction <= 1:

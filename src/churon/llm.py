@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import os
 from dataclasses import fields
-from typing import Iterator, Sequence
+from typing import Iterator, Mapping, Sequence
 
 import torch
 
@@ -35,6 +35,8 @@ class LLM:
     declared pooling: last, L2-normalized).
     dtype: "float32" or "bfloat16" (reference kernels only).
     threads: CPU threads (the native kernels' pool, or torch's on the reference path); default: physical cores.
+    lora_adapters: {"name": path} LoRA adapters (PEFT directories or GGUF adapters) loaded at start; a request
+    picks one with SamplingParams(lora="name"). load_lora / unload_lora change them later.
     """
 
     def __init__(
@@ -46,11 +48,12 @@ class LLM:
         dtype: str = "float32",
         kernels: str = "auto",
         threads: int | None = None,
+        lora_adapters: Mapping[str, str | os.PathLike] | None = None,
         **engine_options,
     ):
         """kernels: "native" (churon's CPU kernels), "reference" (plain PyTorch, exact), "auto" (native when built).
 
-        engine_options: EngineConfig fields (kv_cache_memory, max_num_seqs, block_size, ...).
+        engine_options: EngineConfig fields (kv_cache_memory, max_num_seqs, block_size, max_loras, max_lora_rank, ...).
         """
         if threads is not None and (not isinstance(threads, int) or threads < 1):
             raise ValueError(f"threads={threads!r}: must be an integer >= 1")
@@ -76,9 +79,13 @@ class LLM:
         self.engine: LLMEngine | None = None
         self.embedder: EmbeddingEngine | None = None
         if self.task == "embed":
+            if lora_adapters:
+                raise TaskError(f"{self.name} is loaded as an embedding model; LoRA adapters are for generating text")
             self.embedder = self._embedding_engine(pooling, engine_config)
             return
         self.engine = LLMEngine(self.model, self.tokenizer, engine_config)
+        for name, path in (lora_adapters or {}).items():
+            self.engine.add_lora(name, path)
         try:  # a template that cannot render this within its limits would cost every chat request as much
             self.tokenizer.apply_chat_template([{"role": "user", "content": "Hello"}])
         except ChatTemplateLimitError as e:
@@ -172,6 +179,19 @@ class LLM:
         if self.engine is None:
             return f"{backend} threads={self.threads} task=embed"
         return f"{backend} threads={self.threads} kv={self.engine.cache.k.dtype}".replace("torch.", "")
+
+    def load_lora(self, name: str, path: str | os.PathLike) -> None:
+        """Load a LoRA adapter (a PEFT directory or a GGUF adapter) for SamplingParams(lora=name)."""
+        self._generation().add_lora(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        """Unload an adapter: new requests can no longer name it; a stream already using it finishes with it."""
+        self._generation().remove_lora(name)
+
+    @property
+    def lora_adapters(self) -> tuple[str, ...]:
+        """The names of the loaded LoRA adapters, in load order."""
+        return self.engine.lora_names() if self.engine is not None else ()
 
     def _prompt_ids(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):

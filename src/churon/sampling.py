@@ -35,6 +35,9 @@ REPETITION_PENALTY_RANGE = (1e-2, 1e2)
 # Far past any use (OpenAI's range, the server's, is [-100, 100]), yet finite in float32 after every
 # scaling the sampler applies (a repetition penalty of 100, the temperature floor)
 MAX_LOGIT_BIAS = 1e30
+# A LoRA adapter's strength (scale * alpha / r multiplies its product): past a few the adapter swamps the base
+# model; this bound only keeps a typo (1e9) from making every activation overflow
+MAX_LORA_SCALE = 16.0
 
 
 @dataclass
@@ -62,6 +65,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # for every prompt token after the first
     json_schema: dict | None = None  # constrain the output to JSON valid against this schema
     grammar: str | None = None  # or to this Lark grammar (llguidance's dialect; tool calls); not both
+    lora: str | None = None  # the name of a loaded LoRA adapter to generate with (None: the base model)
+    lora_scale: float = 1.0  # multiplies the adapter's delta (0.5: half its effect, 0: the base model's output)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -95,6 +100,11 @@ class SamplingParams:
         _check(self.grammar is None or (isinstance(self.grammar, str) and self.grammar.strip() != ""), "grammar",
                self.grammar, "None or a non-empty Lark grammar")
         _check(self.json_schema is None or self.grammar is None, "grammar", self.grammar, "None when json_schema is set")
+        # the name itself is resolved (and rejected when no adapter of that name is loaded) by the engine's add_request
+        _check(self.lora is None or (isinstance(self.lora, str) and self.lora != ""), "lora", self.lora,
+               "None or the name of a loaded LoRA adapter")
+        _check(_finite(self.lora_scale) and not isinstance(self.lora_scale, bool) and abs(self.lora_scale) <= MAX_LORA_SCALE,
+               "lora_scale", self.lora_scale, f"a finite number in [-{MAX_LORA_SCALE:g}, {MAX_LORA_SCALE:g}]")
 
     @classmethod
     def from_fields(cls, source, **fields) -> SamplingParams:

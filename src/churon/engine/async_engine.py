@@ -8,11 +8,15 @@ its KV blocks at once, or right after the step that is running.
 A request that fails alone (finish_reason "error": NaN logits, its grammar, its detokenizer) raises
 GenerationError in its own caller; only a step that fails as a whole (the model's forward raising)
 fails every request, the waiting ones too: what a half-run step left in the engine is not known.
+
+LoRA adapters load and unload while it serves: the adapter's file is read on a worker thread, outside
+the lock, and only put into its slot under the lock, between two steps.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 from collections import deque
 from typing import AsyncIterator, Sequence
@@ -20,6 +24,7 @@ from typing import AsyncIterator, Sequence
 from churon.engine.core import LLMEngine
 from churon.engine.output import Delta, EngineStats
 from churon.errors import GenerationError
+from churon.formats.lora import read_lora
 from churon.sampling import SamplingParams
 
 
@@ -87,6 +92,31 @@ class AsyncLLMEngine:
                 self._lock.release()
         else:
             self._pending_aborts.append(request_id)  # the engine thread takes it before its next step
+
+    async def add_lora(self, name: str, path: str | os.PathLike) -> None:
+        """Load a LoRA adapter for requests to name (LLMEngine.add_lora's errors); the event loop goes on
+        streaming meanwhile."""
+        await asyncio.get_running_loop().run_in_executor(None, self._add_lora, name, path)
+
+    def _add_lora(self, name: str, path: str | os.PathLike) -> None:
+        engine = self.engine
+        with self._lock:  # refused before a file is read for nothing
+            engine.check_lora_name(name)
+        adapter = read_lora(path, engine.model_config, engine.config.max_lora_rank)  # no step waits for the file
+        with self._lock:
+            engine.add_lora(name, adapter)
+
+    async def remove_lora(self, name: str) -> None:
+        """Unload an adapter (LLMEngine.remove_lora): new requests can no longer name it, running ones finish with it."""
+        await asyncio.get_running_loop().run_in_executor(None, self._remove_lora, name)
+
+    def _remove_lora(self, name: str) -> None:
+        with self._lock:
+            self.engine.remove_lora(name)
+
+    def lora_names(self) -> tuple[str, ...]:
+        """The adapters requests can name now: a snapshot, without waiting for a running step."""
+        return self.engine.lora_names()
 
     def stats(self) -> EngineStats:
         """A consistent snapshot of the engine's counters (for /metrics); waits for a running step."""

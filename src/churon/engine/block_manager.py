@@ -11,6 +11,8 @@ the whole prefix up to the block's end, and a hash -> block map lets a new seque
 the same leading tokens share those blocks instead of recomputing them. Blocks are
 reference-counted; a block whose count drops to zero keeps its hash and contents and
 stays findable until a fresh block is needed and it is evicted, least recently used first.
+A sequence under a LoRA adapter starts its chain from its hash_seed instead of None: the same
+tokens under another adapter (or scale) have other K/V, and so other hashes.
 
 Hashes are 64-bit blake2b digests over the parent hash and the token ids (little-endian
 int64), so they are the same in every process and run. A hit also compares the block's
@@ -237,7 +239,7 @@ class BlockManager:
         """seq.block_hashes extended to (at least) its first n full blocks."""
         hashes, bs = seq.block_hashes, self.block_size
         for i in range(len(hashes), n):
-            hashes.append(hash_block(hashes[i - 1] if i else None, seq.token_ids[i * bs : (i + 1) * bs]))
+            hashes.append(hash_block(hashes[i - 1] if i else seq.hash_seed, seq.token_ids[i * bs : (i + 1) * bs]))
         return hashes
 
     def _prefix_hits(self, seq: Sequence) -> list[int]:

@@ -16,18 +16,24 @@ A request that fails in its own stages (NaN logits, its grammar, its logprobs, i
 fails alone: it finishes with finish_reason "error" and a message on its output, its blocks go
 back, and the step goes on for the others (vLLM's "error" finish reason). generate() returns such
 outputs beside the others; a stream raises GenerationError.
+
+LoRA adapters (engine/lora.py) are loaded by name with add_lora; a request names one in its
+SamplingParams.lora and holds it until it leaves the engine (_leave: finished, aborted or failed),
+so remove_lora never takes an adapter from under a request that runs with it.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Iterator, Sequence
+import os
+from typing import TYPE_CHECKING, Iterator, Sequence
 
 from tqdm import tqdm
 
 from churon.config import EngineConfig
 from churon.engine.block_manager import BlockManager
 from churon.engine.kv_cache import PagedKVCache
+from churon.engine.lora import LoadedLora, LoraManager, unknown_lora
 from churon.engine.memory import plan_memory
 from churon.engine.output import CompletionOutput, Delta, EngineStats
 from churon.engine.request import Request
@@ -39,6 +45,9 @@ from churon.model.transformer import Transformer
 from churon.sampling import SamplingParams
 from churon.structured import StructuredOutput
 from churon.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from churon.formats.lora import LoraAdapter
 
 # Logits of prompt tokens one step may return for prompt logprobs (with chunked prefill): the rows
 # of a prompt chunk are vocabulary-wide float32.
@@ -69,6 +78,35 @@ class LLMEngine:
         self.runner = ModelRunner(model, self.cache)
         self.structured_output = StructuredOutput(tokenizer, self.model_config.vocab_size)
         self.requests: dict[int, Request] = {}
+        self.lora: LoraManager | None = None  # made by the first add_lora: an engine without adapters pays nothing
+
+    def add_lora(self, name: str, source: str | os.PathLike | LoraAdapter) -> None:
+        """Load a LoRA adapter (a PEFT directory, a GGUF adapter file, or one read already) for requests to
+        name in SamplingParams.lora. Raises for a name loaded already, every slot taken (max_loras), or an
+        adapter that does not fit the model (ModelFileError naming the tensor; rank above max_lora_rank)."""
+        self._lora_manager(name).add(name, source)
+
+    def check_lora_name(self, name: str) -> None:
+        """Raise what add_lora(name, ...) would before it reads anything: a bad or taken name, no free slot."""
+        self._lora_manager(name).free_slot(name)
+
+    def _lora_manager(self, name: str) -> LoraManager:
+        if self.config.max_loras == 0:
+            raise ValueError(f"cannot load LoRA adapter {name!r}: this engine was made with max_loras=0")
+        if self.lora is None:
+            self.lora = LoraManager(self.model, self.config.max_loras, self.config.max_lora_rank)
+        return self.lora
+
+    def remove_lora(self, name: str) -> None:
+        """New requests can no longer name it (UnknownLoraError); requests already using it finish with it,
+        and its slot is freed when the last of them ends."""
+        if self.lora is None:
+            raise unknown_lora(name, ())
+        self.lora.remove(name)
+
+    def lora_names(self) -> tuple[str, ...]:
+        """The adapters requests can name, in load order."""
+        return self.lora.names if self.lora is not None else ()
 
     def check_prompt(self, prompt_ids: Sequence[int]) -> None:
         """Raise ValueError (ContextLengthError when too long) for a prompt this engine can never run."""
@@ -85,15 +123,20 @@ class LLMEngine:
             )
 
     def add_request(self, prompt_ids: Sequence[int], params: SamplingParams | None = None) -> int:
-        """Queue a request; returns its id. Raises at once for a prompt that can never run."""
+        """Queue a request; returns its id. Raises at once for a prompt that can never run, or a LoRA
+        adapter that is not loaded (UnknownLoraError, a ValueError)."""
         params = params or SamplingParams()
         prompt_ids = [int(t) for t in prompt_ids]
         self.check_prompt(prompt_ids)
+        lora = self._lora(params.lora)
         grammar = None
         if params.json_schema is not None or params.grammar is not None:
             grammar = self.structured_output.grammar(params.json_schema, lark=params.grammar)
         max_new = min(params.max_tokens, self.context_length - len(prompt_ids))
-        seq = Seq(prompt_ids, params, eos_token_ids=self.tokenizer.eog_ids, max_tokens=max_new)
+        seq = Seq(
+            prompt_ids, params, eos_token_ids=self.tokenizer.eog_ids, max_tokens=max_new,
+            lora_slot=-1 if lora is None else lora.slot, hash_seed=None if lora is None else lora.hash_seed(params.lora_scale),
+        )
         request = Request(seq, self.tokenizer, self.model_config.vocab_size, grammar)
         total = len(prompt_ids) + max_new
         if not self.scheduler.can_ever_fit(total, len(prompt_ids)):
@@ -102,17 +145,33 @@ class LLMEngine:
                 f"the request needs up to {total} tokens of KV cache ({len(prompt_ids)} prompt + {max_new} new)"
                 f" but the whole cache holds {capacity} tokens; lower max_tokens or give the engine more kv_cache_memory"
             )
+        if lora is not None:
+            self.lora.hold(lora)
         self.requests[seq.seq_id] = request
         self.scheduler.add(seq)
         return seq.seq_id
 
+    def _lora(self, name: str | None) -> LoadedLora | None:
+        if name is None:
+            return None
+        if self.lora is None:
+            raise unknown_lora(name, ())
+        return self.lora.get(name)
+
+    def _leave(self, request_id: int) -> Request:
+        """The one way out of the engine for a request (finished, aborted, failed): what it held goes back.
+        Its sequence is finished already, so its adapter's slot may be unloaded now."""
+        request = self.requests.pop(request_id)
+        if request.seq.lora_slot >= 0:
+            self.lora.release(request.seq.lora_slot)
+        return request
+
     def abort(self, request_id: int) -> bool:
         """Stop a request now and free its KV blocks. False if it is unknown or already finished."""
-        request = self.requests.pop(request_id, None)
-        if request is None:
+        if request_id not in self.requests:
             return False
         self.scheduler.abort(request_id)
-        request.output.finish_reason = "abort"
+        self._leave(request_id).output.finish_reason = "abort"
         return True
 
     def has_unfinished(self) -> bool:
@@ -172,7 +231,7 @@ class LLMEngine:
             if delta.finish_reason is not None:
                 if not request.seq.is_finished:  # a stop string, or a complete structured-output value
                     self.scheduler.finish(request.seq, "stop")
-                del self.requests[seq_id]
+                self._leave(seq_id)
             deltas.append(delta)
         return deltas
 
@@ -181,7 +240,7 @@ class LLMEngine:
         seq = request.seq
         if not seq.is_finished:
             self.scheduler.finish(seq, "error")
-        del self.requests[seq.seq_id]
+        self._leave(seq.seq_id)
         if isinstance(error, GenerationError):
             message = str(error)
             log.warning("request %d failed: %s", seq.seq_id, message)

@@ -1,6 +1,6 @@
 """ModelRunner: executes what the scheduler decided, on the model and the KV-cache memory.
 
-scheduled sequences -> ForwardBatch (positions, slot mapping, block tables) -> model -> logits
+scheduled sequences -> ForwardBatch (positions, slot mapping, block tables, LoRA slots) -> model -> logits
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ class ModelRunner:
         all_logits = all_logits or [False] * len(scheduled)
         chunks = [
             SequenceChunk(
-                s.seq.token_ids[: s.start + s.num_tokens], s.start, s.seq.block_table, need_logits=s.sample, all_logits=every
+                s.seq.token_ids[: s.start + s.num_tokens], s.start, s.seq.block_table, need_logits=s.sample, all_logits=every,
+                lora_slot=s.seq.lora_slot, lora_scale=s.seq.params.lora_scale,
             )
             for s, every in zip(scheduled, all_logits, strict=True)
         ]

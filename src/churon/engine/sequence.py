@@ -15,6 +15,10 @@ A sequence also carries when it ends on a token: a stop token (its params' stop_
 the model's end-of-generation ids unless params.ignore_eos) ends it without becoming part of it;
 max_tokens generated tokens end it too. Stop strings need the text: the engine's output stage
 checks them.
+
+A sequence run under a LoRA adapter carries the adapter's slot (the runner gives it to each of its
+tokens) and the seed its block-hash chain starts from (engine/lora.py), so the prefix cache never
+shares its blocks with a sequence under another adapter, or under none.
 """
 
 from __future__ import annotations
@@ -48,7 +52,9 @@ class Sequence:
     num_cached_tokens: how many leading tokens the last allocation took from the prefix
         cache (metrics; the block manager sets it).
     block_hashes: chained hashes of the sequence's full blocks, a memo the block manager
-        extends lazily (a pure function of token_ids, so preemption leaves it valid).
+        extends lazily (a pure function of hash_seed and token_ids, so preemption leaves it valid).
+    lora_slot: the slot of its LoRA adapter in the model (-1: none).
+    hash_seed: the parent hash of its first block (None: no adapter).
     """
 
     def __init__(
@@ -60,6 +66,8 @@ class Sequence:
         arrival_time: float | None = None,
         eos_token_ids: Iterable[int] = (),
         max_tokens: int | None = None,
+        lora_slot: int = -1,
+        hash_seed: int | None = None,
     ):
         """eos_token_ids: the model's end-of-generation ids. max_tokens: the most tokens to generate
         (default params.max_tokens; the engine lowers it to what the context leaves)."""
@@ -80,6 +88,8 @@ class Sequence:
         self.num_cached_tokens: int = 0
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []
+        self.lora_slot: int = lora_slot
+        self.hash_seed: int | None = hash_seed
 
     def __len__(self) -> int:
         return len(self.token_ids)
