@@ -26,6 +26,7 @@ from churon.formats.quants import dequantize, quantize
 from churon.quantize import quantize_model
 from churon.quantize.mixed import spend_budget
 from churon.engine.kv_cache import SequenceKVCache
+from llama_cpp_peer import llama_cpp_greedy, llama_cpp_logits, llama_cpp_model
 from tiny_models import make_hf_model, reference_model, write_gguf
 
 llama_cpp = pytest.importorskip("llama_cpp")
@@ -49,26 +50,6 @@ def wide_models(tmp_path_factory):
 
 def gguf_types(path) -> dict[str, str]:
     return {t.name: t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
-
-
-def llama_cpp_model(path):
-    return llama_cpp.Llama(str(path), n_threads=2, n_ctx=128, logits_all=True, verbose=False)
-
-
-def llama_cpp_logits(path, tokens: list[int]) -> torch.Tensor:
-    m = llama_cpp_model(path)
-    m.eval(tokens)
-    return torch.tensor(np.array(m.scores[: len(tokens)]))
-
-
-def llama_cpp_greedy(path, prompt: list[int], n: int) -> list[int]:
-    m = llama_cpp_model(path)
-    m.eval(prompt)
-    out = []
-    for _ in range(n):
-        out.append(int(np.argmax(m.scores[m.n_tokens - 1])))
-        m.eval(out[-1:])
-    return out
 
 
 def churon_logits(llm: LLM, tokens: list[int]) -> torch.Tensor:

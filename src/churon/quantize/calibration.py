@@ -153,7 +153,7 @@ def calibrate_layerwise(
 
 
 def collect_stats(
-    model_source: ModelSource,
+    model_source: ModelSource | SourceTensors,
     texts_or_windows: str | Sequence[Sequence[int]],
     hessian: bool,
     progress: bool = True,
@@ -161,18 +161,20 @@ def collect_stats(
 ) -> dict[str, ActivationStats]:
     """Input statistics of every 2-D weight the model multiplies by, keyed by GGUF tensor name.
 
+    model_source: the model, or its SourceTensors (a LoRA adapter merged in: quantize_model's).
     texts_or_windows: calibration text (cut into windows of ctx tokens), or token-id windows.
     hessian: also accumulate sum x x^T per input (GPTQ, AWQ); costs cols^2 float64 per distinct input,
     kept here for every layer (quantize_model keeps one layer's at a time, via calibrate_layerwise).
     """
+    tensors = model_source if isinstance(model_source, SourceTensors) else SourceTensors(model_source)
     windows = (
-        calibration_windows(model_source, texts_or_windows, ctx)
+        calibration_windows(tensors.source, texts_or_windows, ctx)
         if isinstance(texts_or_windows, str)
         else [list(w) for w in texts_or_windows]
     )
     stats: dict[str, ActivationStats] = {}
-    layers = tqdm(total=model_source.config.num_layers + 1, desc="calibration", unit="layer", disable=not progress)
-    for block_stats in calibrate_layerwise(SourceTensors(model_source), windows, hessian):
+    layers = tqdm(total=tensors.config.num_layers + 1, desc="calibration", unit="layer", disable=not progress)
+    for block_stats in calibrate_layerwise(tensors, windows, hessian):
         stats.update(block_stats)
         layers.update(1)
     layers.close()

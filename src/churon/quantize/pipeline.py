@@ -1,5 +1,6 @@
 """quantize_model: read a model (HF directory or GGUF), choose each tensor's type, quantize it with a
-method, and write a GGUF that churon and llama.cpp both load.
+method, and write a GGUF that churon and llama.cpp both load; with a LoRA adapter, the merged model
+(`churon export`: every tensor read already merged, quantize.lora).
 
     source -> types (mixed.py; a --target-bpw budget first runs a calibration without Hessians)
            -> per transformer block, in layer order: calibrate the block (calibration.calibrate_layerwise)
@@ -32,10 +33,12 @@ from churon.config import EncoderConfig
 from churon.errors import ModelFileError, UnsupportedModelError
 from churon.formats.gguf import GGUFModel
 from churon.formats.gguf_writer import FILE_TYPES, GGUFModelWriter, TensorSpec
+from churon.formats.lora import LoraAdapter
 from churon.formats.quants import quant_type, quantize
 from churon.loader import open_model
 from churon.quantize.calibration import ActivationStats, calibrate_layerwise, calibration_windows, collect_stats
 from churon.quantize.mixed import FLOAT_TYPES, apply_keep, check_budget, default_type, parse_keep, spend_budget
+from churon.quantize.lora import check_lora_scale, lora_for
 from churon.quantize.source import SourceTensors
 
 
@@ -114,6 +117,8 @@ def quantize_model(
     target_bpw: float | None = None,
     progress: bool = True,
     pure: bool = False,
+    lora: LoraAdapter | str | os.PathLike | None = None,
+    lora_scale: float = 1.0,
 ) -> QuantizeReport:
     """Quantize model `src` (registry name, HF directory or GGUF file) to the GGUF file `out`.
 
@@ -121,6 +126,9 @@ def quantize_model(
     method: "rtn", "imatrix", "awq" or "gptq". calib_text: calibration text for the methods that need it and
     for target_bpw (default: churon's own). keep: "PATTERN=TYPE" items, glob patterns over GGUF tensor names.
     target_bpw: spend bits up to this many per weight on the tensors most sensitive on the calibration text.
+    lora: a LoRA adapter (PEFT directory, GGUF adapter or one read for this model) merged into the weights
+    before anything else sees them: W + lora_scale * s * B @ A (types, calibration and rounding all work on
+    the merged model). A mismatched adapter is an error before the output file is opened.
     """
     start = time.perf_counter()
     qtype = quant_type(qtype)
@@ -129,6 +137,7 @@ def quantize_model(
     keep_rules = parse_keep(keep)
     if target_bpw is not None and not target_bpw > 0:
         raise ValueError(f"--target-bpw must be positive, got {target_bpw}")
+    lora_scale = check_lora_scale(lora_scale)
     quantizer = METHODS[method]()
     out = Path(out)
     if out.is_dir() or not out.parent.is_dir():
@@ -136,6 +145,8 @@ def quantize_model(
     source = open_model(src)
     if isinstance(source, GGUFModel) and out.resolve() == Path(source.path).resolve():
         raise ValueError(f"{out}: the output would overwrite the source model")
+    if isinstance(lora, (str, os.PathLike)) and out.resolve() == Path(lora).resolve():
+        raise ValueError(f"{out}: the output would overwrite the LoRA adapter")
     source.check_types()
     c = source.config
     encoder = isinstance(c, EncoderConfig)
@@ -144,7 +155,8 @@ def quantize_model(
         raise UnsupportedModelError(
             f"{source.path}: {needs} calibrates on a decoder's forward pass; an encoder ({c.architecture}) is"
             " written with rtn only: F32, F16, Q8_0 or another type with method 'rtn' and no --target-bpw")
-    tensors = SourceTensors(source)
+    adapter = lora_for(source, lora) if lora is not None else None
+    tensors = SourceTensors(source, adapter, lora_scale)
 
     no_output = encoder or c.tie_word_embeddings  # llama-quantize then gives token_embd the output's type
     types = {n: default_type(n, s, qtype, c.num_layers, no_output, pure) for n, s in tensors.shapes.items()}
@@ -157,7 +169,7 @@ def quantize_model(
         windows = calibration_windows(source, text)
     all_stats: dict[str, ActivationStats] = {}
     if target_bpw is not None:
-        all_stats = collect_stats(source, windows, hessian=False, progress=progress)  # no Hessians: small
+        all_stats = collect_stats(tensors, windows, hessian=False, progress=progress)  # no Hessians: small
         with _single_threaded_torch():
             candidates = [n for n, t in types.items() if len(tensors.shapes[n]) >= 2 and n not in kept]
             types = spend_budget(
