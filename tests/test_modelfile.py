@@ -74,7 +74,9 @@ def test_a_recipe_inherits_what_it_leaves_out():
     ("FROM a\nPARAMETER mirostat 1\n", "line 2 (PARAMETER): mirostat is an Ollama option churon does not implement"),
     ("FROM a\nPARAMETER temperature\n", "line 2 (PARAMETER temperature): a value is missing"),
     ("FROM a\nMESSAGE bot hello\n", "line 2 (MESSAGE): role 'bot': must be one of system, user, assistant"),
-    ("FROM a\nADAPTER ./lora.gguf\n", "line 2 (ADAPTER): ADAPTER needs LoRA support, which churon does not have yet"),
+    ("FROM a\nADAPTER ./a.gguf\nADAPTER ./b.gguf\n", "line 3: a second ADAPTER (the first is on line 2); a model takes one"
+     " LoRA adapter"),
+    ("FROM a\nADAPTER\n", "line 2 (ADAPTER): a value is missing"),
     ("FROM a\nSYSTEM\n", "line 2 (SYSTEM): a value is missing"),
     ('FROM a\nSYSTEM """never\nclosed\n', 'line 2 (SYSTEM): the value\'s opening """ is never closed'),
     ('FROM a\nSYSTEM """x""" y\n', 'line 2 (SYSTEM): text after the value\'s closing """'),

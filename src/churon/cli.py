@@ -1,5 +1,5 @@
-"""The `churon` command: pull, list, run, chat, embed, inspect, serve, bench, quantize, eval; create, show, rm, cp
-and ps for created models (Ollama's Modelfiles) and a running server's loaded ones."""
+"""The `churon` command: pull, list, run, chat, embed, inspect, serve, bench, quantize, export, eval; create, show,
+rm, cp and ps for created models (Ollama's Modelfiles) and a running server's loaded ones."""
 
 from __future__ import annotations
 
@@ -42,12 +42,16 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def _sampling_params(args, created=None):
-    """The flags given (named as SamplingParams' fields), over a created model's PARAMETERs, over SAMPLING_DEFAULTS."""
+    """The flags given (named as SamplingParams' fields), over a created model's PARAMETERs, over SAMPLING_DEFAULTS;
+    a created model's ADAPTER on every request (_load loads it)."""
+    from churon.model_store import ADAPTER_LORA
     from churon.ollama_options import sampling_kwargs
     from churon.sampling import SamplingParams
 
     given = {name: getattr(args, name) for name in SAMPLING_DEFAULTS if getattr(args, name) not in (None, [])}
     parameters = sampling_kwargs(created.parameters) if created is not None else {}
+    if created is not None and created.adapter is not None:
+        parameters["lora"] = ADAPTER_LORA
     return SamplingParams(**(SAMPLING_DEFAULTS | parameters | given))
 
 
@@ -58,9 +62,9 @@ def _created(model: str | None):
     return get_model(model or DEFAULT_MODEL)
 
 
-def _load(args, created=None):
-    """The model of `churon run` / `chat`, loaded to generate text; a created model on its base, with its num_ctx
-    and its TEMPLATE as the chat template."""
+def _load(args, created=None, lora_adapters=None):
+    """The model of `churon run` / `chat`, loaded to generate text; a created model on its base, with its num_ctx,
+    its ADAPTER and its TEMPLATE as the chat template; lora_adapters: LLM's (--lora)."""
     from churon.errors import TaskError
     from churon.llm import LLM
     from churon.model_store import resolve
@@ -68,9 +72,11 @@ def _load(args, created=None):
     model = args.model or DEFAULT_MODEL
     path = resolve(created.name)[0] if created is not None else model
     num_ctx = created.parameters.get("num_ctx") if created is not None else None
+    if created is not None:
+        lora_adapters = {**created.lora_adapters, **(lora_adapters or {})}
     try:
         llm = LLM(path, task="generate", dtype=args.dtype, kernels=args.kernels, threads=args.threads,
-                  **({"max_model_len": num_ctx} if num_ctx is not None else {}))
+                  lora_adapters=lora_adapters, **({"max_model_len": num_ctx} if num_ctx is not None else {}))
     except TaskError as e:
         raise TaskError(f"{e}: `churon {args.command}` needs a text-generation model (`churon embed {model} TEXT`"
                         " embeds text with this one)") from None
@@ -85,6 +91,26 @@ def _opening(args, created) -> list[dict[str, str]]:
     system = args.system if args.system is not None else created.system if created is not None else None
     seeded = list(created.messages) if created is not None else []
     return ([{"role": "system", "content": system}] if system else []) + seeded
+
+
+def _lora_name(path: str) -> str:
+    """The name an adapter given by its path alone goes by: its directory's or file's, less ".gguf"."""
+    return Path(path).expanduser().resolve().name.removesuffix(".gguf")
+
+
+def _lora_flags(specs: list[str]) -> dict[str, str]:
+    """`churon serve --lora NAME=PATH` (repeatable; PATH alone: _lora_name's) as name -> path."""
+    adapters: dict[str, str] = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or "/" in name:  # a path alone (which may itself hold a "=")
+            name, path = _lora_name(spec), spec
+        if not path:
+            raise ValueError(f"--lora {spec}: give NAME=PATH or PATH")
+        if name in adapters:
+            raise ValueError(f"--lora {spec}: two adapters are named {name!r} (give each its own: NAME=PATH)")
+        adapters[name] = path
+    return adapters
 
 
 def _is_model(text: str) -> bool:
@@ -108,7 +134,14 @@ def cmd_run(args) -> int:
         raise ChuronError("no prompt: give one as an argument or on stdin")
     created = _created(args.model)
     params = _sampling_params(args, created)  # validate before the (slow) model load
-    llm = _load(args, created)
+    adapters = None
+    if args.lora is not None:
+        if created is not None and created.adapter is not None:
+            raise ChuronError(f"--lora {args.lora}: {created.name} has an ADAPTER of its own ({created.adapter}), and a"
+                              " request runs with one adapter")
+        params.lora = _lora_name(args.lora)
+        adapters = {params.lora: args.lora}
+    llm = _load(args, created, adapters)
     if args.raw or not llm.tokenizer.chat_template:
         ids = llm.encode(prompt)  # refuses a prompt (stdin: a whole file) the context can never hold, untokenized
     else:
@@ -237,6 +270,7 @@ def cmd_create(args) -> int:
     print(f"created {model.name} from {model.base} ({model.base_path})")
     template = model.recipe.template
     fields = [
+        ("adapter", model.adapter),
         ("system", _one_line(model.system) if model.system is not None else None),
         ("parameters", ", ".join(f"{k} {' '.join(v) if isinstance(v, list) else v}"
                                  for k, v in model.parameters.items()) or None),
@@ -277,6 +311,7 @@ def cmd_show(args) -> int:
     params = _parameters(source)
     fields = [("model", created.name if created is not None else args.model),
               ("from", f"{created.base} ({source.path})") if created is not None else ("file", str(source.path)),
+              *([("adapter", created.adapter)] if created is not None and created.adapter is not None else []),
               ("architecture", c.architecture), ("parameters", f"{params:,} ({params / 1e6:.1f} M)"),
               ("context length", c.context_length), ("embedding length", c.hidden_size),
               ("quantization", _quant_type(source))]
@@ -412,7 +447,11 @@ def cmd_inspect(args) -> int:
     from churon.engine.kv_cache import KV_DTYPES, kv_bytes_per_token
     from churon.loader import open_model
     from churon.engine.memory import plan_memory
+    from churon.formats.lora import is_lora_adapter
 
+    given = Path(args.model).expanduser()
+    if given.exists() and is_lora_adapter(given):
+        return _inspect_adapter(given)
     m = open_model(args.model, pull=True)
     c = m.config
     if isinstance(c, EncoderConfig):
@@ -487,6 +526,41 @@ def _inspect_encoder(m, args) -> int:
     _print_native_layouts(m)
     _print_tensors(m, args)
     return 0
+
+
+def _inspect_adapter(path: Path) -> int:
+    """A LoRA adapter: its kind, ranks and scaling, what it adapts, its size, the model it was trained on."""
+    from churon.formats.lora import read_lora
+
+    a = read_lora(path)
+    ranks = sorted({m.rank for m in a.modules.values()})
+    layers = sorted({int(name.split(".")[1]) for name in a.modules})  # "layers.N.self_attn.q_proj"
+    fields = [
+        ("file", str(a.path)),
+        ("kind", f"{a.kind} LoRA adapter"),
+        ("rank", str(a.rank) if len(ranks) == 1 else f"{a.rank} (the largest; by module {', '.join(map(str, ranks))})"),
+        ("alpha", f"{a.alpha:g}" + (" (llama.cpp: no scaling; any scale is in B)" if a.kind == "gguf" and a.alpha == 0 else "")),
+        ("rsLoRA", "yes (alpha / sqrt(r))" if a.use_rslora else "no (alpha / r)"),
+        ("targets", ", ".join(a.targets)),
+        ("modules", len(a.modules)),
+        ("layers", f"{len(layers)} ({_ranges(layers)})"),
+        ("size", f"{a.nbytes / 1e6:.2f} MB (A and B in float32; {_size(path)} on disk)"),
+        ("base model", a.base_model or "not named by the file"),
+        *([("architecture", a.architecture)] if a.architecture else []),
+    ]
+    _print_fields(fields)
+    return 0
+
+
+def _ranges(numbers: list[int]) -> str:
+    """Sorted integers as runs: [0, 1, 2, 5] -> "0-2, 5"."""
+    runs: list[list[int]] = []
+    for n in numbers:
+        if runs and n == runs[-1][-1] + 1:
+            runs[-1].append(n)
+        else:
+            runs.append([n])
+    return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
 
 
 def _pooling(p) -> str:
@@ -576,7 +650,9 @@ def cmd_serve(args) -> int:
     memory = args.models_memory if args.models_memory is not None else default_models_memory()
     policy = ModelPolicy(memory, args.max_loaded_models,
                          parse_keep_alive(args.keep_alive, "--keep-alive"))
-    engine_options = _given(args, "max_num_seqs", "max_num_batched_tokens", "max_model_len", "kv_cache_memory")
+    engine_options = _given(args, "max_num_seqs", "max_num_batched_tokens", "max_model_len", "kv_cache_memory",
+                            "max_loras", "max_lora_rank")
+    lora_adapters = _lora_flags(args.lora)
     # bad engine settings fail now, not after the port is bound
     catalog = ModelCatalog(policy.memory_share, args.dtype, args.kernels, args.threads, engine_options)
     # as for the engine: the flags left out keep the dataclasses' defaults, bad values fail before the port is bound
@@ -586,8 +662,8 @@ def cmd_serve(args) -> int:
     api_key = _api_key(args)
     if args.pooling is not None and args.embedding_model is None and args.task == "generate":
         raise ValueError("--pooling is for the model that embeds: give --embedding-model, or --task embed")
-    if model is None and (args.embedding_model or args.served_model_name or args.task != "auto"):
-        raise ValueError("--embedding-model, --served-model-name and --task are for a MODEL to preload: give it")
+    if model is None and (args.embedding_model or args.served_model_name or args.task != "auto" or lora_adapters):
+        raise ValueError("--embedding-model, --served-model-name, --task and --lora are for a MODEL to preload: give it")
     failures: list[BaseException] = []
     created = get_model(model) if model is not None else None
     name = args.served_model_name or (created.name if created is not None else model)  # "mario" as "mario:latest"
@@ -607,10 +683,13 @@ def cmd_serve(args) -> int:
     embedding = (load_embedding_model, args.embedding_model) if args.embedding_model is not None else None
     app = create_app(load if model is not None else None, name, embedding_model=embedding, catalog=catalog,
                      policy=policy, api_key=api_key, max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
-                     limits=limits, on_load_error=on_load_error)
+                     limits=limits, lora_adapters=lora_adapters, allow_lora_loading=args.allow_lora_loading,
+                     on_load_error=on_load_error)
     server = make_server(app, args.host, args.port, log_level=args.log_level, connection_limits=connection_limits,
                          **_given(args, "shutdown_timeout"))
     served = " and ".join(m for m in (model, args.embedding_model) if m is not None)
+    if lora_adapters:
+        served += f" (LoRA adapters: {', '.join(lora_adapters)})"
     on_demand = ", ".join(catalog.names()) or "none yet"
     print(f"churon: serving {served or 'no model preloaded'} on http://{args.host}:{args.port}/v1"
           f"{' (loading; GET /health says when ready)' if served else ''}; on demand, the models in"
@@ -661,20 +740,50 @@ def cmd_bench_serve(args) -> int:
 def cmd_quantize(args) -> int:
     from churon.quantize import quantize_model
 
+    _print_quantize_report(quantize_model(args.src, args.out, args.type, **_quantize_options(args)))
+    return 0
+
+
+def _quantize_options(args) -> dict:
+    """quantize_model's keywords from the flags `churon quantize` and `churon export` share."""
     calib_text = None
     if args.calib is not None:
         try:
             calib_text = Path(args.calib).read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:
             raise ChuronError(f"--calib {args.calib}: cannot read the calibration text: {e}") from None
-    report = quantize_model(args.src, args.out, args.type, method=args.method, calib_text=calib_text, keep=args.keep,
-                            target_bpw=args.target_bpw, progress=not args.quiet, pure=args.pure)
+    return dict(method=args.method, calib_text=calib_text, keep=args.keep, target_bpw=args.target_bpw,
+                progress=not args.quiet, pure=args.pure)
+
+
+def cmd_export(args) -> int:
+    from churon.quantize import export_adapter, quantize_model
+
+    if args.adapter:  # the adapter alone: its own tensors, nothing merged or quantized
+        given = [flag for flag, value in (("--scale", args.scale is not None), ("--method", args.method != "rtn"),
+                                          ("--calib", args.calib is not None), ("--keep", args.keep),
+                                          ("--target-bpw", args.target_bpw is not None), ("--pure", args.pure))
+                 if value]
+        if given:
+            raise ValueError(f"{', '.join(given)}: for a merged export; --adapter writes the adapter's own A and B"
+                             " (llama.cpp takes its scale at run time: --lora-scaled)")
+        path = export_adapter(args.model, args.lora, args.out, args.type or "F32")
+        print(f"{path}: {_bytes(path.stat().st_size)}, LoRA adapter for {args.model}")
+        return 0
+    if args.type is None:
+        raise ValueError("--type is required for a merged export (F32, F16, BF16, Q8_0, Q4_K, ...)")
+    scale = 1.0 if args.scale is None else args.scale
+    _print_quantize_report(quantize_model(args.model, args.out, args.type, lora=args.lora, lora_scale=scale,
+                                          **_quantize_options(args)))
+    return 0
+
+
+def _print_quantize_report(report) -> None:
     rows = [(name, count, f"{params:,}", _bytes(size), f"{size * 8 / params:.2f}")
             for name, (count, params, size) in sorted(report.by_type().items(), key=lambda kv: -kv[1][2])]
     _table(["type", "tensors", "parameters", "bytes", "bits/weight"], rows)
     print(f"\n{report.path}: {_bytes(report.file_bytes)}, {report.bits_per_weight:.3f} bits per weight "
           f"({report.method}, {report.seconds:.1f} s)")
-    return 0
 
 
 EVAL_KV_BYTES = 16 << 20  # the engine's KV cache goes unused by eval (each window runs on its own cache)
@@ -768,6 +877,20 @@ def _add_eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
 
 
+def _add_quantize_args(p: argparse.ArgumentParser, type_required: bool) -> None:
+    p.add_argument("--type", required=type_required, metavar="TYPE",
+                   help="F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q4_K Q5_K Q6_K (1-D tensors stay F32; llama.cpp's"
+                        " choices for the output and some attn_v/ffn_down tensors unless --pure)")
+    p.add_argument("--method", default="rtn", help="rtn (default), imatrix, awq or gptq (the last three calibrate)")
+    p.add_argument("--calib", default=None, metavar="FILE", help="calibration text (default: churon's own)")
+    p.add_argument("--keep", action="append", default=[], metavar="PATTERN=TYPE",
+                   help="type for tensors whose GGUF name matches the glob, e.g. 'output.weight=Q8_0' (repeatable)")
+    p.add_argument("--target-bpw", type=float, default=None, metavar="X",
+                   help="raise the tensors most sensitive on the calibration text until X bits per weight")
+    p.add_argument("--pure", action="store_true", help="every 2-D tensor in TYPE (llama-quantize --pure)")
+    p.add_argument("--quiet", "-q", action="store_true", help="no progress bars")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="churon", description="Run open-weight language models locally.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -776,6 +899,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("args", nargs="*", metavar="[MODEL] PROMPT", help=f"model (default {DEFAULT_MODEL}) and prompt (or stdin)")
     p.add_argument("--raw", action="store_true", help="plain completion, no chat template")
     p.add_argument("--verbose", "-v", action="store_true", help="print prompt and decode tokens/s, time to first token")
+    p.add_argument("--lora", default=None, metavar="PATH", help="answer with this LoRA adapter on the model (a PEFT"
+                   " directory or a GGUF adapter)")
     _add_sampling_args(p)
     p.set_defaults(func=cmd_run)
 
@@ -830,7 +955,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000, help="(default 8000)")
     p.set_defaults(func=cmd_ps)
 
-    p = sub.add_parser("inspect", help="what a model file holds, and the memory it needs")
+    p = sub.add_parser("inspect", help="what a model file holds, and the memory it needs; a LoRA adapter's rank, alpha,"
+                                       " targets and size")
     p.add_argument("model", nargs="?", default=DEFAULT_MODEL)
     p.add_argument("--tensors", action="store_true", help="list every tensor")
     p.add_argument("--kv-dtype", default="f32", choices=list(KV_DTYPE_ARGS), help="KV cache element type (default f32)")
@@ -883,6 +1009,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bytes for every loaded model together; beyond it the least recently used idle one is"
                         " unloaded (default: the memory available at start, less a tenth, at least 512 MiB)")
     p.add_argument("--max-loaded-models", type=int, default=3, help="models loaded at once (default 3, as Ollama)")
+    p.add_argument("--lora", action="append", default=[], metavar="NAME=PATH",
+                   help="serve a LoRA adapter (PEFT directory or GGUF adapter) on MODEL as the model NAME (PATH alone:"
+                        " named as its directory or file); repeatable")
+    p.add_argument("--max-loras", type=int, default=None, help="LoRA adapters loaded at once (default 8)")
+    p.add_argument("--max-lora-rank", type=int, default=None, help="the largest rank an adapter may have (default 64)")
+    p.add_argument("--allow-lora-loading", action="store_true",
+                   help="let clients load and unload adapters (POST /v1/load_lora_adapter, /v1/unload_lora_adapter):"
+                        " the server then reads any file a client names")
     p.add_argument("--keep-alive", default="5m",
                    help="how long a model loaded on demand stays after its last request: 5m, 30s, 1h, seconds, 0"
                         " (unload at once), negative (for good); a request's keep_alive overrides it (default 5m)")
@@ -896,18 +1030,20 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("quantize", help="write a model (HF directory or GGUF) as a GGUF of another type")
     p.add_argument("src", help="registry name, .gguf file or HF directory (bf16/fp16/fp32 safetensors)")
     p.add_argument("out", help="output .gguf file")
-    p.add_argument("--type", required=True, metavar="TYPE",
-                   help="F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q4_K Q5_K Q6_K (1-D tensors stay F32; llama.cpp's"
-                        " choices for the output and some attn_v/ffn_down tensors unless --pure)")
-    p.add_argument("--method", default="rtn", help="rtn (default), imatrix, awq or gptq (the last three calibrate)")
-    p.add_argument("--calib", default=None, metavar="FILE", help="calibration text (default: churon's own)")
-    p.add_argument("--keep", action="append", default=[], metavar="PATTERN=TYPE",
-                   help="type for tensors whose GGUF name matches the glob, e.g. 'output.weight=Q8_0' (repeatable)")
-    p.add_argument("--target-bpw", type=float, default=None, metavar="X",
-                   help="raise the tensors most sensitive on the calibration text until X bits per weight")
-    p.add_argument("--pure", action="store_true", help="every 2-D tensor in TYPE (llama-quantize --pure)")
-    p.add_argument("--quiet", "-q", action="store_true", help="no progress bars")
+    _add_quantize_args(p, type_required=True)
     p.set_defaults(func=cmd_quantize)
+
+    p = sub.add_parser("export", help="merge a LoRA adapter into a model and write it as a GGUF of any type, or"
+                                      " write the adapter alone as a llama.cpp GGUF adapter")
+    p.add_argument("model", help="the base model: registry name, .gguf file or HF directory")
+    p.add_argument("out", help="output .gguf file: the merged model, or with --adapter the adapter alone")
+    p.add_argument("--lora", required=True, metavar="PATH", help="the adapter: PEFT directory or GGUF adapter")
+    p.add_argument("--scale", type=float, default=None, metavar="S",
+                   help="merge W + S * (alpha / r) * B @ A (default 1; 0.5: half the adapter's effect)")
+    p.add_argument("--adapter", action="store_true",
+                   help="write the adapter alone to OUT as a llama.cpp GGUF adapter (--type F32 or F16, default F32)")
+    _add_quantize_args(p, type_required=False)
+    p.set_defaults(func=cmd_export)
 
     evaluate = sub.add_parser("eval", help="model quality on a text: perplexity, KL divergence from a reference")
     evaluate = evaluate.add_subparsers(dest="eval", required=True)

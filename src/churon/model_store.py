@@ -5,9 +5,12 @@ the weights.
 A name is Ollama's: parts of letters, digits, ".", "_" and "-" separated by "/", and an optional ":tag"
 (":latest" when none is given), so "mario" and "mario:latest" are one model, stored as manifests/mario/latest.json.
 FROM is resolved when the model is created: a path (relative to the Modelfile's folder), else a created model
-(whose base and recipe the new one inherits), else a registry name (pulled if it is not cached).
+(whose base and recipe the new one inherits), else a registry name (pulled if it is not cached). ADAPTER, a LoRA
+adapter (a PEFT directory or a GGUF adapter), is a path resolved as FROM's and read against the base model's
+config when the model is created, so an adapter for another model is the create's error, not a request's.
 
-A created model is loaded as LLM(base_path, max_model_len=num_ctx if given); whoever renders its requests applies
+A created model is loaded as LLM(base_path, max_model_len=num_ctx if given, lora_adapters=its lora_adapters),
+every request with SamplingParams(lora=ADAPTER_LORA) when it has an ADAPTER; whoever renders its requests applies
 its system prompt, template (a Jinja chat template: tokenizer.chat_template = model.template), parameters (as the
 defaults a request's own options override) and messages (the history before the request's own).
 """
@@ -36,6 +39,7 @@ DEFAULT_TAG = "latest"
 _PART = r"[A-Za-z0-9][A-Za-z0-9._-]*"
 _NAME = re.compile(rf"(?P<model>{_PART}(?:/{_PART})*)(?::(?P<tag>[A-Za-z0-9_][A-Za-z0-9._-]*))?")
 FIELDS = ("from", "system", "parameters", "template", "messages", "license")  # /api/create's, without a Modelfile
+ADAPTER_LORA = "ADAPTER"  # the name a created model's ADAPTER is loaded under in its LLM (SamplingParams.lora)
 
 
 class ModelNotFoundError(ChuronError, LookupError):
@@ -47,12 +51,13 @@ class CreatedModel:
     name: str  # canonical: "mario:latest"
     base: str  # FROM as written
     base_path: Path  # the GGUF file or HF directory FROM resolved to when the model was created
+    adapter: Path | None = None  # the LoRA adapter ADAPTER resolved to, applied to every request
     system: str | None = None
     parameters: dict = field(default_factory=dict)  # checked Ollama options; stop a list
     template: str | None = None  # a Jinja chat template (a Go TEMPLATE translated)
     messages: list[dict] = field(default_factory=list)
     license: str | None = None
-    modelfile: str = ""  # the canonical Modelfile (`show --modelfile`): FROM base_path and the whole recipe
+    modelfile: str = ""  # the canonical Modelfile (`show --modelfile`): FROM base_path, ADAPTER adapter, the recipe
     created_at: float = 0.0
 
     def conversation(self, messages: list[dict]) -> list[dict]:
@@ -61,6 +66,11 @@ class CreatedModel:
         if self.system is not None and not any(m.get("role") == "system" for m in seeded):
             seeded.insert(0, {"role": "system", "content": self.system})
         return seeded
+
+    @property
+    def lora_adapters(self) -> dict[str, Path]:
+        """LLM's lora_adapters for this model: its ADAPTER as ADAPTER_LORA, or none."""
+        return {ADAPTER_LORA: self.adapter} if self.adapter is not None else {}
 
     @property
     def recipe(self) -> Modelfile:
@@ -133,10 +143,10 @@ def list_models() -> list[CreatedModel]:
 
 
 def create_model(name: str, modelfile: str, *, base_dir: Path | None) -> CreatedModel:
-    """Create (or replace) `name` from a Modelfile's text; FROM paths are relative to base_dir (the Modelfile's
-    folder); base_dir None (a request over HTTP) takes no path, only a model of the store, the registry or the
-    cache by name: a client does not open files on the server. ModelfileError naming the line for a bad
-    Modelfile or a FROM that does not exist."""
+    """Create (or replace) `name` from a Modelfile's text; FROM and ADAPTER paths are relative to base_dir (the
+    Modelfile's folder); base_dir None (a request over HTTP) takes no path, only a model of the store, the registry
+    or the cache by name: a client does not open files on the server. ModelfileError naming the line for a bad
+    Modelfile, a FROM that does not exist or an ADAPTER that is no LoRA adapter for the FROM model."""
     canonical = check_name(name)
     recipe = parse_modelfile(modelfile)
     return _create(canonical, recipe, base_dir, f"line {recipe.from_line} (FROM)")
@@ -194,12 +204,20 @@ def _license(license: Any) -> str | None:
 
 def _create(name: str, recipe: Modelfile, base_dir: Path | None, where: str) -> CreatedModel:
     base_path, parent = _resolve_from(recipe.from_, base_dir, where)
-    # the canonical Modelfile names the base by its path: it creates the same model from anywhere
-    effective = replace(recipe.inherit(parent.recipe) if parent is not None else recipe, from_=str(base_path))
+    adapter = parent.adapter if parent is not None else None  # inherited, as created (its path absolute)
+    if recipe.adapter is not None:
+        adapter = _resolve_adapter(recipe.adapter, base_dir, f"line {recipe.adapter_line} (ADAPTER)")
+    if adapter is not None:
+        _check_adapter(adapter, base_path, f"line {recipe.adapter_line} (ADAPTER)" if recipe.adapter is not None
+                       else f"{where}: {recipe.from_}'s ADAPTER")
+    # the canonical Modelfile names the base and the adapter by their paths: it creates the same model from anywhere
+    effective = replace(recipe.inherit(parent.recipe) if parent is not None else recipe, from_=str(base_path),
+                        adapter=str(adapter) if adapter is not None else None)
     model = CreatedModel(
         name=name,
         base=recipe.from_,
         base_path=base_path,
+        adapter=adapter,
         system=effective.system,
         parameters=effective.parameters,
         template=chat_template(effective.template, "TEMPLATE") if effective.template is not None else None,
@@ -217,13 +235,7 @@ def _resolve_from(base: str, base_dir: Path | None, where: str) -> tuple[Path, C
     base_dir, the "path" is only a file or directory of the model cache, by its name (.gguf left out or not)."""
     from churon.loader import open_model  # the loader pulls in torch: only when a model is created
 
-    if base_dir is None:
-        named = "/" not in base and "\\" not in base and ".." not in base  # a name, never a path out of the cache
-        cached = [models_dir() / base, models_dir() / f"{base}.gguf"] if named else []
-        path = next((p for p in cached if p.exists()), models_dir() / "NAME")
-    else:
-        path = Path(base).expanduser()
-        path = path if path.is_absolute() else base_dir / path
+    path = _local_path(base, base_dir)
     if path.exists():
         try:
             open_model(path, pull=False)
@@ -243,6 +255,43 @@ def _resolve_from(base: str, base_dir: Path | None, where: str) -> tuple[Path, C
                          f" registry model (known: {', '.join(sorted(REGISTRY))})")
 
 
+def _local_path(value: str, base_dir: Path | None) -> Path:
+    """The path a Modelfile's FROM or ADAPTER names, relative to base_dir; without a base_dir only a file or
+    directory of the model cache, by its name (.gguf left out or not). It may not exist."""
+    if base_dir is None:
+        named = "/" not in value and "\\" not in value and ".." not in value  # a name, never a path out of the cache
+        cached = [models_dir() / value, models_dir() / f"{value}.gguf"] if named else []
+        return next((p for p in cached if p.exists()), models_dir() / "NAME")
+    path = Path(value).expanduser()
+    return path if path.is_absolute() else base_dir / path
+
+
+def _resolve_adapter(adapter: str, base_dir: Path | None, where: str) -> Path:
+    """ADAPTER's path, as FROM's: relative to the Modelfile's folder; over HTTP a name in the model cache only."""
+    path = _local_path(adapter, base_dir)
+    if not path.exists():
+        what = ("a file or directory" if base_dir is not None else
+                "an adapter in the server's cache (over HTTP a Modelfile has no folder: a client does not open files"
+                " on the server)")
+        raise ModelfileError(f"{where}: {adapter} does not exist: not {what} ({path})")
+    return path.resolve()
+
+
+def _check_adapter(adapter: Path, base_path: Path, where: str) -> None:
+    """The adapter read against the base model's config now: another model's adapter is the create's error."""
+    from churon.config import EncoderConfig
+    from churon.formats.lora import read_lora
+    from churon.loader import open_model
+
+    config = open_model(base_path, pull=False).config
+    if isinstance(config, EncoderConfig):
+        raise ModelfileError(f"{where}: {base_path} is an embedding model; LoRA adapters are for text generation")
+    try:
+        read_lora(adapter, config)
+    except ChuronError as e:  # names the file and the tensor
+        raise ModelfileError(f"{where}: not a LoRA adapter for {base_path}: {e}") from None
+
+
 def resolve(name: str) -> tuple[Path, CreatedModel | None]:
     """What a model name loads: a created model -> (its base_path, it); any other name or path -> (the registry's
     cached file or the path, None). ChuronError if there is nothing to load."""
@@ -251,6 +300,8 @@ def resolve(name: str) -> tuple[Path, CreatedModel | None]:
         return resolve_model(name, pull=False), None
     if not model.base_path.exists():
         raise ChuronError(f"{model.name}: its base model {model.base_path} (FROM {model.base}) no longer exists")
+    if model.adapter is not None and not model.adapter.exists():
+        raise ChuronError(f"{model.name}: its LoRA adapter {model.adapter} (ADAPTER) no longer exists")
     return model.base_path, model
 
 
@@ -283,7 +334,8 @@ def _write(model: CreatedModel) -> None:
     """The manifest, replaced in one rename: a reader sees the old one or the new one, never half of one."""
     path = _manifest_path(model.name)
     path.parent.mkdir(parents=True, exist_ok=True)
-    record = {**asdict(model), "base_path": str(model.base_path)}
+    record = {**asdict(model), "base_path": str(model.base_path),
+              "adapter": str(model.adapter) if model.adapter is not None else None}
     with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.stem}.", suffix=".part", delete=False,
                                      encoding="utf-8") as f:
         try:
@@ -299,6 +351,8 @@ def _read(path: Path) -> CreatedModel:
     try:
         record = json.loads(path.read_text(encoding="utf-8"))
         record["base_path"] = Path(record["base_path"])
+        if record.get("adapter") is not None:  # a manifest written before ADAPTER has none
+            record["adapter"] = Path(record["adapter"])
         return CreatedModel(**record)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
         raise ChuronError(f"{path}: not a readable created-model manifest ({type(e).__name__}: {e})") from None

@@ -4,6 +4,8 @@ seeded conversation, a license), read as Ollama's parser/parser.go reads it and 
 
     # a comment
     FROM smollm2-135m                   a registry name, a path (relative to the Modelfile), or a created model
+    ADAPTER ./my-lora                   a LoRA adapter on it (a PEFT directory or a GGUF adapter; relative to
+                                        the Modelfile too), applied to every request: one, as Ollama takes
     SYSTEM You are a pirate.            the system turn
     PARAMETER temperature 0.2           an Ollama option (churon.ollama_options); PARAMETER stop accumulates
     TEMPLATE \"\"\"{{ .Prompt }}\"\"\"        the chat template: Go-template syntax (the subset in
@@ -13,8 +15,8 @@ seeded conversation, a license), read as Ollama's parser/parser.go reads it and 
 
 Instructions are case-insensitive. A value runs to the end of its line; one in "quotes" or \"\"\"triple quotes\"\"\"
 may span lines and ends at the first line end where its closing quotes are the last characters. A `#` starts a
-comment only where an instruction could start. ADAPTER (a LoRA) is refused until churon has LoRA support; so are
-Ollama's DRAFT, RENDERER, PARSER and REQUIRES. Every error names its line.
+comment only where an instruction could start. Ollama's DRAFT, RENDERER, PARSER and REQUIRES are refused. Every
+error names its line.
 """
 
 from __future__ import annotations
@@ -43,18 +45,21 @@ class Modelfile:
     """A recipe. None (messages: None) is "not given": a model created FROM another created model inherits it."""
 
     from_: str
+    adapter: str | None = None  # ADAPTER as written (model_store resolves and checks it)
     system: str | None = None
     parameters: dict = field(default_factory=dict)  # checked Ollama options; stop a list
     template: str | None = None  # as written: a Go template or a Jinja one
     messages: list[dict] | None = None
     license: str | None = None
     from_line: int | None = field(default=None, compare=False, repr=False)  # where a Modelfile's FROM is, for errors
+    adapter_line: int | None = field(default=None, compare=False, repr=False)  # and its ADAPTER
 
     def inherit(self, parent: Modelfile) -> Modelfile:
         """This recipe over its parent's: what this one leaves out comes from the parent, parameters key by key
         (as Ollama merges them)."""
         return replace(
             self,
+            adapter=parent.adapter if self.adapter is None else self.adapter,  # one adapter: this one replaces it
             system=parent.system if self.system is None else self.system,
             parameters={**parent.parameters, **self.parameters},
             template=parent.template if self.template is None else self.template,
@@ -65,6 +70,8 @@ class Modelfile:
     def text(self) -> str:
         """The canonical Modelfile, as `ollama show --modelfile` writes one (parse_modelfile reads it back)."""
         lines = [f"FROM {self.from_}"]
+        if self.adapter is not None:  # where Ollama writes it: right after FROM
+            lines.append(f"ADAPTER {_quote(self.adapter)}")
         if self.template is not None:
             lines.append(f"TEMPLATE {_quote(self.template)}")
         if self.system is not None:
@@ -90,6 +97,7 @@ def parse_modelfile(text: str) -> Modelfile:
     """The recipe a Modelfile's text writes; ModelfileError naming the line for anything churon cannot use."""
     text = text.replace("\r\n", "\n").removeprefix("\ufeff")
     froms: list[tuple[int, str]] = []
+    adapter_line = None
     recipe = {"parameters": {}}
     for line, name, argument, value in _instructions(text):
         where = f"line {line} ({name})"
@@ -119,10 +127,13 @@ def parse_modelfile(text: str) -> Modelfile:
         elif name == "LICENSE":
             recipe["license"] = value if recipe.get("license") is None else recipe["license"] + "\n\n" + value
         elif name == "ADAPTER":
-            raise ModelfileError(f"{where}: ADAPTER needs LoRA support, which churon does not have yet")
+            if adapter_line is not None:  # Ollama applies one adapter per model, and so does a request here
+                raise ModelfileError(f"line {line}: a second ADAPTER (the first is on line {adapter_line}); a model"
+                                     " takes one LoRA adapter")
+            recipe["adapter"], adapter_line = value, line
     if not froms:
         raise ModelfileError("no FROM line: a Modelfile needs one (FROM a registry name, a path or a created model)")
-    return Modelfile(from_=froms[0][1], from_line=froms[0][0], **recipe)
+    return Modelfile(from_=froms[0][1], from_line=froms[0][0], adapter_line=adapter_line, **recipe)
 
 
 def chat_template(template: str, where: str, first_line: int = 1) -> str:

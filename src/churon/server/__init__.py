@@ -6,6 +6,8 @@
     state.py       what the routes share (the loaded models, metrics, admission, limits); a request's `model`
                    acquired for its task (text generation or embeddings), loaded on demand, unloaded by LRU or
                    keep_alive; the 503 while loading
+    lora.py        the LoRA adapters a server serves by name (`--lora`, /v1/load_lora_adapter), each on its base
+                   model: a request naming one runs on that model with it
     catalog.py     the models a server can load by name ($CHURON_HOME: cached, registry, created), what each
                    will hold, how it loads
     keep_alive.py  Ollama's keep_alive durations

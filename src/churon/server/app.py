@@ -8,7 +8,8 @@ a request names them (state.py).
 from __future__ import annotations
 
 from contextlib import asynccontextmanager
-from typing import Callable
+from pathlib import Path
+from typing import Callable, Mapping
 
 from fastapi import FastAPI
 
@@ -35,6 +36,8 @@ def create_app(
     max_queue: int | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     limits: RequestLimits = RequestLimits(),
+    lora_adapters: Mapping[str, str | Path] | None = None,
+    allow_lora_loading: bool = False,
     on_load_error: Callable[[BaseException], None] | None = None,
 ) -> FastAPI:
     """load_llm runs on a thread at startup; the model it loads is served as model_name for its task (LLM.task:
@@ -43,12 +46,15 @@ def create_app(
     names them (`churon serve`; None: the preloaded ones only); policy: their memory budget, how many stay
     loaded and for how long (None: ModelPolicy(default_models_memory())). max_queue: most requests waiting for their first
     token (or their vectors) before new ones get a 503 (None: as many as the generation model's KV cache has
-    blocks; without a generation model, no limit). limits: the work one request may ask for. on_load_error: called (on the loading thread) when a preload raises."""
+    blocks; without a generation model, no limit). limits: the work one request may ask for. lora_adapters: name ->
+    path of the LoRA adapters served on model_name (`--lora`: a request naming one runs on that model with it).
+    allow_lora_loading: POST /v1/load_lora_adapter and /v1/unload_lora_adapter allowed (`--allow-lora-loading`).
+    on_load_error: called (on the loading thread) when a preload raises."""
     admission = Admission(max_queue)
     if max_body_bytes < 1:
         raise ValueError(f"max_body_bytes={max_body_bytes!r}: must be >= 1")
     models = ([(load_llm, model_name)] if load_llm is not None else []) + ([embedding_model] if embedding_model else [])
-    state = ServerState(models, admission, limits, catalog, policy)
+    state = ServerState(models, admission, limits, catalog, policy, lora_adapters, allow_lora_loading)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -6,9 +6,10 @@
     find()    the name a request means: one of those, a registry alias ("smollm2"), or either without ":latest"
     plan()    the model's header read (never its weights): its task, and what it will hold (plan_share:
               weights as the file's size, activations, a KV cache from the server's per-model share); a created
-              model's is its base's, with its num_ctx as max_model_len
-    load()    the LLM, with that KV cache and a created model's TEMPLATE (its SYSTEM, MESSAGEs and PARAMETERs
-              are for the routes to apply)
+              model's is its base's (and its ADAPTER's), with its num_ctx as max_model_len
+    load()    the LLM, with that KV cache and a created model's TEMPLATE and ADAPTER (loaded as
+              model_store.ADAPTER_LORA, which ServerState has every request to it run with; its SYSTEM, MESSAGEs
+              and PARAMETERs are for the routes to apply)
 
 Only names() are loaded for a request: a request naming a path is a 404, never a file opened on the server.
 """
@@ -84,6 +85,8 @@ class ModelCatalog:
             options["max_model_len"] = created.parameters["num_ctx"]
         model = open_model(path, pull=False)
         weights = _file_bytes(model.path)
+        if created is not None and created.adapter is not None:  # its A and B, held beside the weights
+            weights += _file_bytes(created.adapter)
         if task == "auto":
             task = _task(model)
         if task == "embed":
@@ -107,7 +110,8 @@ class ModelCatalog:
 
     def load(self, plan: LoadPlan, pooling: str | None = None) -> LLM:
         llm = LLM(plan.path, task=plan.task, pooling=pooling, dtype=self.dtype, kernels=self.kernels,
-                  threads=self.threads, **plan.engine_options)
+                  threads=self.threads, lora_adapters=plan.created.lora_adapters if plan.created is not None else None,
+                  **plan.engine_options)
         if plan.created is not None and plan.created.template is not None:  # its TEMPLATE, on every API
             llm.tokenizer.chat_template = plan.created.template
         return llm

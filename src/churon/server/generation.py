@@ -12,6 +12,7 @@ request that failed alone (GenerationError: the model's logits were NaN; the oth
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import AsyncIterator
@@ -19,10 +20,12 @@ from typing import AsyncIterator
 from starlette.requests import Request
 
 from churon.engine import AsyncLLMEngine, CompletionOutput, Delta
+from churon.engine.lora import UnknownLoraError
 from churon.errors import ContextLengthError, GenerationError
 from churon.sampling import SamplingParams
 from churon.server.drain import Drain
 from churon.server.errors import APIError
+from churon.server.lora import AdapterView
 from churon.server.metrics import ServerMetrics
 from churon.server.state import ServedModel, ServerState
 
@@ -133,17 +136,21 @@ class Generation:
         self._queue.put_nowait((None, error))
 
 
-async def start_generation(request: Request, state: ServerState, served: ServedModel, requests: list[EngineRequest],
-                           prompt_param: str) -> Generation:
-    """Admit the requests and start them on the served model (ServerState.model_for's, for "generate");
-    prompt_param: the request field a too-long prompt came from."""
+async def start_generation(request: Request, state: ServerState, served: ServedModel | AdapterView,
+                           requests: list[EngineRequest], prompt_param: str) -> Generation:
+    """Admit the requests and start them on the served model (ServerState.model_for's, for "generate"), with
+    its LoRA adapter when the request named one; prompt_param: the request field a too-long prompt came from."""
     state.ready()  # the shutdown may have begun while the prompt was built
+    if served.lora is not None:  # every API's requests get their adapter here, whatever their sampling fields
+        requests = [EngineRequest(r.prompt_ids, dataclasses.replace(r.params, lora=served.lora)) for r in requests]
     with state.admission.admit(len(requests)):
         generation = Generation(served.engine, state.metrics, requests, state.drain)
         try:
             await until_ended(request, state.drain, generation.start())
         except ContextLengthError as e:
             raise APIError(400, str(e), param=prompt_param, code="context_length_exceeded")
+        except UnknownLoraError as e:  # unloaded since the request looked its model up
+            raise APIError(404, str(e), param="model", code="model_not_found", type="not_found_error")
         except ValueError as e:  # sampling parameters, token ids, a JSON schema the engine refused
             raise APIError(400, str(e))
         except GenerationError as e:  # failed at its first token

@@ -23,9 +23,19 @@ ModelCatalog (catalog.py), every model in $CHURON_HOME by name, loaded when a re
                          one; 0 unloads it once released; a background task unloads the expired ones
 
 Each model has a task ("generate" or "embed", LLM.task); a request for the other task's API is a 400 naming the
-model and its task. Routes look their model up after FastAPI has validated the body, so a malformed request is a
-400 even while the models load. Only the event loop touches the loaded models, but for the preload thread,
-which fills them before ready() lets any request in.
+model and its task.
+
+A name may also be a LoRA adapter's (lora.py): the `churon serve MODEL --lora NAME=PATH` ones, on MODEL, loaded
+into its engine as MODEL loads (and loads back); and, with --allow-lora-loading, those load_adapter adds at run
+time (on the same model: vLLM's one base). acquire() gives a request naming one an AdapterView of its base model,
+which it holds as it would the base model itself. unload_adapter() makes the name unknown at once; the requests
+running with it finish with it (the engine frees its slot after the last). A created model with an ADAPTER
+(model_store) loads with it (catalog.load) and runs every request with it (ServedModel.lora) but for those that
+name another adapter on it: a request runs with one.
+
+Routes look their model up after FastAPI has validated the body, so a malformed request is a 400 even while the
+models load. Only the event loop touches the loaded models, but for the preload thread, which fills them before
+ready() lets any request in.
 """
 
 from __future__ import annotations
@@ -36,15 +46,17 @@ import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from pathlib import Path
+from typing import Callable, Mapping, Sequence
 
 from fastapi import Request
 
 from churon.engine.async_engine import AsyncLLMEngine
 from churon.engine.embedding import AsyncEmbeddingEngine
 from churon.engine.memory import available_memory
+from churon.errors import ChuronError, ModelFileError
 from churon.llm import LLM
-from churon.model_store import CreatedModel, get_model
+from churon.model_store import ADAPTER_LORA, CreatedModel, get_model
 from churon.server.admission import Admission
 from churon.server.catalog import LoadPlan, ModelCatalog
 from churon.server.offload import off_loop
@@ -52,6 +64,7 @@ from churon.server.drain import Drain
 from churon.server.errors import APIError
 from churon.server.keep_alive import FOREVER
 from churon.server.limits import RequestLimits
+from churon.server.lora import AdapterView, ServedAdapter
 from churon.server.metrics import ServerMetrics
 
 log = logging.getLogger("churon.server")
@@ -111,6 +124,8 @@ class ServedModel:
     expires_at: float | None = None  # time.time() when it unloads, if idle by then; None: kept for good
     in_flight: int = 0  # requests holding it
     last_used: float = field(default_factory=time.monotonic)
+    lora: str | None = None  # the adapter its every request runs with: a created model's ADAPTER (else None; an
+    #                          AdapterView's request runs with the adapter it names instead)
 
     @property
     def task(self) -> str:
@@ -119,15 +134,23 @@ class ServedModel:
 
 class ServerState:
     def __init__(self, models: Sequence[tuple[Callable[[], LLM], str]], admission: Admission, limits: RequestLimits,
-                 catalog: ModelCatalog | None = None, policy: ModelPolicy | None = None):
+                 catalog: ModelCatalog | None = None, policy: ModelPolicy | None = None,
+                 lora_adapters: Mapping[str, str | Path] | None = None, allow_lora_loading: bool = False):
         """models: (load, name) of each model to preload, in this order (load may run again, to load it back
         after it was unloaded). catalog: the models loaded on demand (None: the preloaded ones only).
-        policy: None, the budget of default_models_memory()."""
+        policy: None, the budget of default_models_memory(). lora_adapters: name -> path of the LoRA adapters
+        the first model serves (read when it loads). allow_lora_loading: load_adapter / unload_adapter allowed."""
         names = [name for _, name in models]
         if not names and catalog is None:
             raise ValueError("a server needs a model to serve")
         if len(set(names)) < len(names):
             raise ValueError(f"two models are served as the same name ({names}): give each its own")
+        lora_adapters = {name: str(path) for name, path in (lora_adapters or {}).items()}
+        if lora_adapters and not names:
+            raise ValueError("LoRA adapters need a model to preload, for them to run on")
+        taken = sorted(set(lora_adapters) & set(names))
+        if taken:
+            raise ValueError(f"the LoRA adapter name {taken[0]!r} is a served model's: give the adapter another")
         self._preloads = {name: load for load, name in models}
         self.catalog = catalog
         self.policy = policy or ModelPolicy(default_models_memory())
@@ -146,6 +169,10 @@ class ServerState:
         self._unloader: asyncio.Task | None = None
         self.preloaded = not self._preloads  # every preloaded model has loaded
         self.load_error: BaseException | None = None
+        self.lora_base = names[0] if names else None  # the model the adapters run on
+        # by name, in load order; changed on the event loop under _one_load, or by a load holding it (_serve)
+        self.adapters = {name: ServedAdapter(name, self.lora_base, path) for name, path in lora_adapters.items()}
+        self.allow_lora_loading = allow_lora_loading
 
     # --- startup and shutdown ----------------------------------------------------------------------
 
@@ -160,7 +187,7 @@ class ServerState:
         loaded: list[ServedModel] = []
         try:
             for name, load in self._preloads.items():
-                loaded.append(self._serve(name, load(), None, FOREVER))
+                loaded.append(self._serve(name, load(), None, FOREVER, self._adapters_of(name), preload=True))
             self._loaded.update((m.name, m) for m in loaded)
             self.preloaded = True
         except BaseException as e:  # reported by /health and to the caller, never lost in a thread
@@ -190,14 +217,16 @@ class ServerState:
 
     # --- what routes call --------------------------------------------------------------------------
 
-    async def acquire(self, name: str | None, task: str, keep_alive: float | None = None) -> ServedModel:
+    async def acquire(self, name: str | None, task: str, keep_alive: float | None = None) -> ServedModel | AdapterView:
         """The model a request names for an API of `task` ("generate" or "embed"), loaded if need be, held
         until release(). name None: the first model loaded (else preloaded) for that task. keep_alive: seconds
         it stays loaded once idle (keep_alive.py; None: the model's default). A 503 as ready() or for a load
         that failed or found no room; a 404 for a name this server does not serve; a 400 for a model without
-        that task, naming the model's task and the API for it."""
+        that task, naming the model's task and the API for it. A LoRA adapter's name: an AdapterView of its base
+        model."""
         self.ready()
-        key = self._key(name, task)
+        adapter = self.adapters.get(name) if name is not None else None
+        key = self._key(adapter.base if adapter is not None else name, task)
         while True:
             served = self._loaded.get(key)
             if served is not None:
@@ -234,10 +263,12 @@ class ServerState:
         except APIError:
             self.release(served)
             raise
-        return served
+        return served if adapter is None else AdapterView(served, adapter.name)
 
-    def release(self, served: ServedModel) -> None:
+    def release(self, served: ServedModel | AdapterView) -> None:
         """A request is done with it: once no request holds it, it unloads (keep_alive 0) or its keep_alive runs."""
+        if isinstance(served, AdapterView):
+            served = served.model
         served.in_flight -= 1
         served.last_used = time.monotonic()
         if served.in_flight > 0:
@@ -249,7 +280,8 @@ class ServerState:
             self._changed.set()
         self._released.set()
 
-    async def model_for(self, request: Request, name: str | None, task: str, keep_alive: float | None = None) -> ServedModel:
+    async def model_for(self, request: Request, name: str | None, task: str,
+                        keep_alive: float | None = None) -> ServedModel | AdapterView:
         """acquire(), released once the request's response has been sent: for a stream, when it ends."""
         served = await self.acquire(name, task, keep_alive)
         request.scope[_HOLDS].append((self, served))
@@ -274,6 +306,65 @@ class ServerState:
         served.keep_alive = 0
         if served.in_flight == 0:
             self._unload(served, "asked to")
+
+    async def load_adapter(self, name: str, path: str) -> ServedAdapter:
+        """Serve the LoRA adapter at path (read and checked off the event loop) as `name` on lora_base, loading
+        that model if need be. A 400 for a name in use, a file that is no adapter for the model (the reader's
+        message), every slot taken (--max-loras); a 403 unless --allow-lora-loading."""
+        self._check_lora_loading()
+        self.ready()
+        if self.lora_base is None:
+            raise APIError(400, "LoRA adapters run on the model `churon serve MODEL` preloads: this server preloads"
+                           " none", param="lora_name")
+        self._check_adapter_name(name)
+        served = await self.acquire(self.lora_base, "generate")
+        try:
+            async with self._one_load:  # one change at a time, none while a model (and its adapters) loads
+                self._check_adapter_name(name)  # another request may have taken it meanwhile
+                try:  # read on a worker thread, into its slot between two steps
+                    await served.engine.add_lora(name, Path(path).expanduser())
+                except ModelFileError as e:  # names the file and tensor
+                    raise APIError(400, str(e), param="lora_path", code="invalid_lora_adapter") from e
+                except (ChuronError, ValueError, OSError) as e:  # every slot taken (--max-loras)
+                    raise APIError(400, str(e), param="lora_name") from e
+                adapter = self.adapters[name] = ServedAdapter(name, served.name, path)
+        finally:
+            self.release(served)
+        log.info("LoRA adapter %s loaded from %s on %s", name, path, served.name)
+        return adapter
+
+    async def unload_adapter(self, name: str) -> None:
+        """Serve the LoRA adapter `name` no more: a request naming it is a 404 from now on; those running with
+        it finish with it. A 404 for a name that is no adapter's; a 403 unless --allow-lora-loading."""
+        self._check_lora_loading()
+        self.ready()
+        async with self._one_load:
+            adapter = self.adapters.pop(name, None)
+            if adapter is None:
+                raise APIError(404, f"The lora adapter {name!r} cannot be found (this server's:"
+                               f" {', '.join(map(repr, self.adapters)) or 'none'})", param="lora_name",
+                               code="lora_adapter_not_found", type="not_found_error")
+            served = self._loaded.get(adapter.base)
+            if served is not None and name in served.engine.lora_names():  # else its model left, or loaded back
+                await served.engine.remove_lora(name)                      # without it (_serve)
+        log.info("LoRA adapter %s unloaded", name)
+
+    def _check_lora_loading(self) -> None:
+        if not self.allow_lora_loading:
+            raise APIError(403, "loading and unloading LoRA adapters at run time is off: start the server with"
+                           " --allow-lora-loading (it has the server read the files its clients name)",
+                           type="permission_error", code="lora_loading_disabled")
+
+    def _adapters_of(self, name: str) -> list[ServedAdapter]:
+        return [a for a in self.adapters.values() if a.base == name]
+
+    def _check_adapter_name(self, name: str) -> None:
+        if name in self.adapters:
+            raise APIError(400, f"The lora adapter {name!r} has already been loaded: unload it first",
+                           param="lora_name", code="lora_adapter_exists")
+        if name in self.available():
+            raise APIError(400, f"{name!r} is the name of a model this server serves: give the adapter another",
+                           param="lora_name", code="lora_adapter_exists")
 
     def generation_engine(self) -> AsyncLLMEngine | None:
         """A text-generation model's engine (its stats for /metrics); None without one loaded."""
@@ -307,7 +398,8 @@ class ServerState:
                         param="model", code="model_not_found", type="not_found_error")
 
     def _names(self) -> str:
-        return " and ".join(repr(n) for n in self.available()) or "no model yet (`churon pull NAME`)"
+        names = [*self.available(), *self.adapters]  # the LoRA adapters are models to a client too
+        return " and ".join(repr(n) for n in names) or "no model yet (`churon pull NAME`)"
 
     def _check_task(self, served: ServedModel, task: str) -> None:
         self._check_model_task(served.name, served.task, task)
@@ -342,7 +434,8 @@ class ServerState:
                     load, needed = (lambda: self.catalog.load(plan)), plan.resident_bytes
                 await self._make_room(name, needed)
                 started = time.perf_counter()
-                served = await loop.run_in_executor(self._loader, self._load_served, name, load, plan)
+                adapters = self._adapters_of(name)  # loaded back: with its adapters
+                served = await loop.run_in_executor(self._loader, self._load_served, name, load, plan, adapters)
                 log.info("model %s loaded on demand in %.1f s (%d bytes)", name, time.perf_counter() - started,
                          served.size_bytes)
         except APIError:
@@ -359,12 +452,29 @@ class ServerState:
         self._loaded[name] = served
         return served
 
-    def _load_served(self, name: str, load: Callable[[], LLM], plan: LoadPlan | None) -> ServedModel:
+    def _load_served(self, name: str, load: Callable[[], LLM], plan: LoadPlan | None,
+                     adapters: list[ServedAdapter]) -> ServedModel:
         keep_alive = FOREVER if plan is None else self.policy.keep_alive
-        return self._serve(name, load(), plan, keep_alive)
+        return self._serve(name, load(), plan, keep_alive, adapters)
 
-    def _serve(self, name: str, llm: LLM, plan: LoadPlan | None, keep_alive: float) -> ServedModel:
-        """On the load thread: the loaded LLM behind its engine's front end."""
+    def _serve(self, name: str, llm: LLM, plan: LoadPlan | None, keep_alive: float, adapters: list[ServedAdapter],
+               preload: bool = False) -> ServedModel:
+        """On the load thread: the loaded LLM, its LoRA adapters loaded, behind its engine's front end. An adapter
+        that fails fails a preload (`churon serve --lora`: the operator's mistake, said at start); a model loaded
+        back serves without one that fails now (its file changed or went away since), which it logs."""
+        # a created model's ADAPTER came with the LLM (catalog.load), before the server's adapters are added
+        lora = ADAPTER_LORA if ADAPTER_LORA in llm.lora_adapters else None
+        if adapters and llm.task != "generate":
+            raise ValueError(f"--lora: {name!r} is an embedding model; LoRA adapters are for text generation")
+        for adapter in adapters:
+            try:
+                llm.load_lora(adapter.name, Path(adapter.path).expanduser())
+            except Exception as e:
+                if preload:
+                    raise ModelFileError(f"LoRA adapter {adapter.name!r} ({adapter.path}): {e}") from e
+                log.error("model %s loaded back without its LoRA adapter %s (%s): %s", name, adapter.name,
+                          adapter.path, e)
+                self.adapters.pop(adapter.name, None)  # under _one_load, which _load holds
         if llm.task == "embed":
             engine: AsyncLLMEngine | AsyncEmbeddingEngine = AsyncEmbeddingEngine(llm.embedder)
             size = llm.model.weight_bytes()
@@ -381,7 +491,8 @@ class ServerState:
             created = plan.created
         else:  # `churon serve NAME` of a created model: its recipe is the routes' to apply
             created = get_model(name) if self.catalog is not None else None
-        return ServedModel(name, llm, engine, size, created, default_keep_alive=keep_alive, keep_alive=keep_alive)
+        return ServedModel(name, llm, engine, size, created, default_keep_alive=keep_alive, keep_alive=keep_alive,
+                           lora=lora)
 
     async def _make_room(self, name: str, needed: int) -> None:
         """Unload the least recently used idle models until `needed` bytes and one more model fit; wait (up to

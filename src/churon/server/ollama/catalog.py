@@ -2,7 +2,8 @@
 POST /api/show (one model's recipe and architecture), GET /api/ps (the models loaded now), GET /api/version.
 
 A created model is described by its base model's files, with its own name, a digest of its recipe and its
-Modelfile, SYSTEM, TEMPLATE and PARAMETERs; details.parent_model names its FROM."""
+Modelfile, SYSTEM, TEMPLATE and PARAMETERs; details.parent_model names its FROM, details.adapter (churon's: Ollama's
+details have no such field) the path of its ADAPTER."""
 
 from __future__ import annotations
 
@@ -48,7 +49,10 @@ class Entry:
 
     @property
     def details(self) -> dict[str, Any]:
-        return self.files.details | ({"parent_model": self.created.base} if self.created is not None else {})
+        if self.created is None:
+            return self.files.details
+        adapter = {"adapter": str(self.created.adapter)} if self.created.adapter is not None else {}
+        return self.files.details | {"parent_model": self.created.base} | adapter
 
     @property
     def modified_at(self) -> str:

@@ -61,7 +61,11 @@ def _fields(body: CreateRequest) -> dict[str, Any]:
 
 @router.post("/api/create")
 async def create(body: CreateRequest, state: ServerState = Depends(server_state)) -> Response:
-    for field in ("files", "adapters", "quantize"):
+    if body.adapters:  # Ollama's are uploaded blobs, which churon has none of
+        raise APIError(400, "adapters: churon takes no uploaded adapter; a Modelfile's ADAPTER names one by its path"
+                       " (`churon create NAME -f Modelfile` on the server: over HTTP a client does not open files on"
+                       " the server)", param="adapters")
+    for field in ("files", "quantize"):
         if getattr(body, field):
             raise APIError(400, f"{field}: churon creates models FROM a registry name, a path or another created model;"
                            f" it takes no {field}", param=field)

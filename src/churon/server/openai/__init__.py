@@ -5,6 +5,7 @@
     render.py        engine outputs in OpenAI's response shapes
     streaming.py     server-sent events ending in `data: [DONE]`
     models.py        GET /v1/models, GET /v1/models/{id}
+    lora.py          POST /v1/load_lora_adapter, /v1/unload_lora_adapter (vLLM's)
     tokenization.py  POST /tokenize, /detokenize
     chat.py          POST /v1/chat/completions
     completions.py   POST /v1/completions
@@ -19,8 +20,8 @@ generation.py.
 
 from fastapi import APIRouter
 
-from churon.server.openai import chat, completions, embeddings, models, responses, tokenization
+from churon.server.openai import chat, completions, embeddings, lora, models, responses, tokenization
 
 router = APIRouter()
-for module in (models, tokenization, chat, completions, embeddings, responses):
+for module in (models, lora, tokenization, chat, completions, embeddings, responses):
     router.include_router(module.router)

@@ -2,7 +2,9 @@
 those this server loads when a request names them; GET /v1/models/{id} retrieves one. A loaded model's card
 says its task, its context (an embedding model's: its longest input and its vectors' length), "loaded": true
 and "expires_at" (Unix seconds when it unloads if still idle; null: kept for good); another's "loaded": false
-and the task its header says (null when it cannot be read), so a chat client can leave embedding models out. A request's `model` is looked up by ServerState.acquire."""
+and the task its header says (null when it cannot be read), so a chat client can leave embedding models out.
+Each LoRA adapter follows its base model, in vLLM's card: "parent" its base model, "root" the path it was read
+from. A request's `model` is looked up by ServerState.acquire."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from typing import Any
 
 from fastapi import APIRouter, Depends
 
+from churon.server.lora import ServedAdapter
 from churon.server.offload import off_loop
 from churon.server.state import ServedModel, ServerState, server_state
 
@@ -31,13 +34,22 @@ def _loaded_card(served: ServedModel) -> dict[str, Any]:
     return card | {"loaded": True, "expires_at": expires_at}
 
 
+def _adapter_card(adapter: ServedAdapter) -> dict[str, Any]:
+    return _card(adapter.name) | {"parent": adapter.base, "root": adapter.path, "task": "generate"}
+
+
 def _cards(state: ServerState) -> list[dict[str, Any]]:
     """Reads the unloaded models' headers: run it off the event loop."""
     loaded = state.loaded()
     names = {m.name for m in loaded}
     unloaded = [n for n in state.available() if n not in names]
     task = state.catalog.task if state.catalog is not None else lambda name: None
-    return [_loaded_card(m) for m in loaded] + [_card(n) | {"loaded": False, "task": task(n)} for n in unloaded]
+    cards = [_loaded_card(m) for m in loaded] + [_card(n) | {"loaded": False, "task": task(n)} for n in unloaded]
+    adapters = list(state.adapters.values())  # one snapshot: the event loop may load or unload one meanwhile
+    listed: list[dict[str, Any]] = []
+    for card in cards:
+        listed += [card] + [_adapter_card(a) for a in adapters if a.base == card["id"]]
+    return listed
 
 
 @router.get("/v1/models")

@@ -152,3 +152,20 @@ class EmbeddingRequest(RequestModel):
     dimensions: int | None = None  # only the model's own: churon does not truncate vectors (embeddings.py)
     user: str | None = None  # accepted, as OpenAI does; churon has no use for it
     truncate_prompt_tokens: int | None = None  # vLLM's: -1 or k >= 1, see embeddings.py
+
+
+class LoadLoraAdapterRequest(RequestModel):
+    """vLLM's POST /v1/load_lora_adapter."""
+
+    UNIMPLEMENTED = frozenset({"load_inplace"})  # a name in use is a 400: unload it first
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoraAdapterRequest(RequestModel):
+    """vLLM's POST /v1/unload_lora_adapter (its lora_int_id aside: churon's adapters go by name only)."""
+
+    UNIMPLEMENTED = frozenset({"lora_int_id"})
+
+    lora_name: str = Field(min_length=1)
