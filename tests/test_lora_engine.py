@@ -298,13 +298,43 @@ def test_a_bad_lora_scale_is_refused(scale):
         SamplingParams(lora="a", lora_scale=scale)
 
 
-@pytest.mark.parametrize("field, value", [("max_loras", -1), ("max_loras", 1.5), ("max_lora_rank", 0), ("max_lora_rank", None)])
+@pytest.mark.parametrize("field, value", [("max_loras", -1), ("max_loras", 1.5), ("max_loras", 257), ("max_lora_rank", 0),
+                                          ("max_lora_rank", None), ("max_lora_rank", 4097)])
 def test_bad_lora_engine_settings_are_refused(field, value):
-    with pytest.raises(ValueError, match=f"invalid engine setting {field}"):
+    with pytest.raises(ValueError, match=f"invalid engine setting {field}={value!r}: must be an integer in"):
         EngineConfig(**{field: value})
+    assert EngineConfig(max_loras=256, max_lora_rank=4096).max_loras == 256  # the bounds themselves are allowed
 
 
 def test_a_bad_lora_name_is_refused():
     with pytest.raises(ValueError, match="invalid sampling parameter lora=''"):
         SamplingParams(lora="")
     assert SamplingParams(lora="a", lora_scale=-16).lora_scale == -16  # the bounds are in range
+
+
+def test_a_scale_changed_on_the_params_after_add_request_changes_nothing(tiny_llama_q8, adapters):
+    """The engine takes a request's adapter and scale when it is added: its blocks are hashed under that scale, so
+    running later tokens under a new value of the (shared, mutable) params would put K/V computed at one scale
+    into the prefix cache under the other's hashes, for other requests to hit."""
+    prompt = prompts(1, seed=7, shared_prefix=40)[0]
+    reference = loaded(native_model(tiny_llama_q8), adapters, names=("a",), enable_prefix_caching=False)
+    expected = reference.generate([prompt], [greedy("a", 1.0, max_tokens=20)])[0].token_ids
+
+    eng = loaded(native_model(tiny_llama_q8), adapters, names=("a",), block_size=4, max_num_batched_tokens=16)
+    params = greedy("a", 1.0, max_tokens=20)
+    first = eng.add_request(prompt, params)
+    eng.step()  # the first 16 prompt tokens, at scale 1
+    params.lora_scale = 4.0  # the caller reuses its params for a request of its own
+    outputs = {}
+    while eng.has_unfinished():
+        outputs.update((d.request_id, d.output) for d in eng.step() if d.finish_reason)
+    assert outputs[first].token_ids == expected
+    # a later request at scale 1 hits the blocks the first one cached: they hold scale-1 K/V
+    again = eng.generate([prompt], [greedy("a", 1.0, max_tokens=20)])[0]
+    assert again.metrics.cached_prompt_tokens > 0 and again.token_ids == expected
+
+
+@pytest.mark.parametrize("value", ["adapter-dir", ["adapter-dir"]])
+def test_lora_adapters_that_are_not_a_mapping_are_refused(value):
+    with pytest.raises(ValueError, match=r"lora_adapters=.*adapter-dir.*: must map names to adapter paths"):
+        LLM("no-such-model", lora_adapters=value)

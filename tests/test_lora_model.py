@@ -3,6 +3,8 @@ adapters equal PEFT's on tiny Llama, Qwen2 and Qwen3 models, from the Hugging Fa
 GGUF; a batch mixing adapters and none gives each sequence what it gets alone (bitwise on the native path);
 a batch without adapters runs exactly the base model."""
 
+import gc
+import weakref
 from dataclasses import replace
 
 import pytest
@@ -280,6 +282,28 @@ def test_loading_and_unloading_rebuild_only_the_stacks_they_touch(llama_dir, tmp
     assert slots.nbytes == fused_bytes(mlp, model.config)
     slots.unload(3)
     assert slots.nbytes == 0 and all(layer == {} for layer in slots.layers)
+
+
+@native_only
+def test_the_slots_hold_no_second_copy_of_the_fused_pairs(llama_dir, tmp_path, monkeypatch):
+    """The native stack keeps B transposed: the fused B it was built from (mostly zeros for qkv) must be freed,
+    not kept beside it (a rank-64 adapter's fused B is tens of MB per slot on a real model)."""
+    model, _, _ = load_model(llama_dir, kernels="native")
+    slots = model.enable_lora(2)
+    fused_b = []
+    build = model.backend.lora_stack
+
+    def recording_stack(pairs):
+        fused_b.extend(weakref.ref(p[1]) for p in pairs if p is not None)
+        return build(pairs)
+
+    monkeypatch.setattr(model.backend, "lora_stack", recording_stack)
+    adapter = read_lora(adapter_dir(llama_dir, tmp_path, "all"), model.config)
+    slots.load(0, adapter)
+    slots.load(1, read_lora(adapter_dir(llama_dir, tmp_path, "mlp", targets=MLP, rank=2), model.config))
+    gc.collect()
+    assert fused_b and all(ref() is None for ref in fused_b)
+    assert slots.nbytes == fused_bytes(adapter, model.config) + fused_bytes(slots.adapters[1], model.config)
 
 
 def fused_bytes(adapter, config) -> int:

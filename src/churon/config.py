@@ -224,6 +224,10 @@ def default_threads() -> int:
 KV_DTYPE_CHOICES = ("float32", "bfloat16", "float16", "int8")
 
 
+MAX_LORAS = 256  # EngineConfig.max_loras at most
+MAX_LORA_RANK = 4096  # EngineConfig.max_lora_rank at most
+
+
 @dataclass
 class EngineConfig:
     """Runtime knobs of the serving engine."""
@@ -245,10 +249,12 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"invalid engine setting {name}={value!r}: must be an integer >= 1")
-        for name, low in (("max_loras", 0), ("max_lora_rank", 1)):
+        # the bounds: every step's LoRA calls walk each matrix's slot table, and a rank past a few thousand
+        # is a model of its own, not an adapter
+        for name, low, high in (("max_loras", 0, MAX_LORAS), ("max_lora_rank", 1, MAX_LORA_RANK)):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise ValueError(f"invalid engine setting {name}={value!r}: must be an integer >= {low}")
+            if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+                raise ValueError(f"invalid engine setting {name}={value!r}: must be an integer in [{low}, {high}]")
         if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
             raise ValueError(f"invalid engine setting kv_cache_memory={self.kv_cache_memory!r}: must be > 0 bytes")
         if not 0 < self.kv_cache_fraction <= 1:

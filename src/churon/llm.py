@@ -57,6 +57,8 @@ class LLM:
         """
         if threads is not None and (not isinstance(threads, int) or threads < 1):
             raise ValueError(f"threads={threads!r}: must be an integer >= 1")
+        if lora_adapters is not None and not isinstance(lora_adapters, Mapping):  # a bare path: refused before loading
+            raise ValueError(f"lora_adapters={lora_adapters!r:.200}: must map names to adapter paths, {{'name': path}}")
         if task not in TASKS:
             raise ValueError(f"task={task!r}: must be one of {', '.join(TASKS)}")
         if pooling is not None and pooling not in POOLING_MODES:

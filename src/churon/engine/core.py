@@ -135,7 +135,8 @@ class LLMEngine:
         max_new = min(params.max_tokens, self.context_length - len(prompt_ids))
         seq = Seq(
             prompt_ids, params, eos_token_ids=self.tokenizer.eog_ids, max_tokens=max_new,
-            lora_slot=-1 if lora is None else lora.slot, hash_seed=None if lora is None else lora.hash_seed(params.lora_scale),
+            lora_slot=-1 if lora is None else lora.slot, lora_scale=float(params.lora_scale),
+            hash_seed=None if lora is None else lora.hash_seed(params.lora_scale),
         )
         request = Request(seq, self.tokenizer, self.model_config.vocab_size, grammar)
         total = len(prompt_ids) + max_new

@@ -27,7 +27,7 @@ class ModelRunner:
         chunks = [
             SequenceChunk(
                 s.seq.token_ids[: s.start + s.num_tokens], s.start, s.seq.block_table, need_logits=s.sample, all_logits=every,
-                lora_slot=s.seq.lora_slot, lora_scale=s.seq.params.lora_scale,
+                lora_slot=s.seq.lora_slot, lora_scale=s.seq.lora_scale,
             )
             for s, every in zip(scheduled, all_logits, strict=True)
         ]

@@ -16,9 +16,11 @@ the model's end-of-generation ids unless params.ignore_eos) ends it without beco
 max_tokens generated tokens end it too. Stop strings need the text: the engine's output stage
 checks them.
 
-A sequence run under a LoRA adapter carries the adapter's slot (the runner gives it to each of its
-tokens) and the seed its block-hash chain starts from (engine/lora.py), so the prefix cache never
-shares its blocks with a sequence under another adapter, or under none.
+A sequence run under a LoRA adapter carries the adapter's slot and scale (the runner gives them to each
+of its tokens) and the seed its block-hash chain starts from (engine/lora.py), so the prefix cache never
+shares its blocks with a sequence under another adapter or scale, or under none. The scale is the
+params' value when the sequence was made: the seed was computed from it, and params are the caller's,
+free to change.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ class Sequence:
     block_hashes: chained hashes of the sequence's full blocks, a memo the block manager
         extends lazily (a pure function of hash_seed and token_ids, so preemption leaves it valid).
     lora_slot: the slot of its LoRA adapter in the model (-1: none).
+    lora_scale: what the adapter's delta is multiplied by (the hash seed's scale).
     hash_seed: the parent hash of its first block (None: no adapter).
     """
 
@@ -67,6 +70,7 @@ class Sequence:
         eos_token_ids: Iterable[int] = (),
         max_tokens: int | None = None,
         lora_slot: int = -1,
+        lora_scale: float = 1.0,
         hash_seed: int | None = None,
     ):
         """eos_token_ids: the model's end-of-generation ids. max_tokens: the most tokens to generate
@@ -89,6 +93,7 @@ class Sequence:
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []
         self.lora_slot: int = lora_slot
+        self.lora_scale: float = lora_scale
         self.hash_seed: int | None = hash_seed
 
     def __len__(self) -> int:

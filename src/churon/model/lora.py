@@ -70,9 +70,10 @@ class LoraSlots:
         self.backend = backend
         self.adapters: list[LoraAdapter | None] = [None] * max_loras
         self.layers: list[dict[str, Any]] = [{} for _ in range(config.num_layers)]
-        # (layer, matrix) -> each slot's fused pair (None: no adapter there), kept so that a load or an
-        # unload re-fuses only its own adapter
-        self._pairs: dict[tuple[int, str], list[tuple[torch.Tensor, torch.Tensor] | None]] = {}
+        # each slot's fused pairs' bytes. The pairs themselves are not kept: the stacks hold them in their
+        # backend's layout already, and a copy here would hold every fused B a second time (a qkv B is mostly
+        # zeros), so a load or an unload fuses the other slots' pairs of the matrices it touches again
+        self._slot_bytes = [0] * max_loras
 
     @property
     def max_loras(self) -> int:
@@ -106,24 +107,26 @@ class LoraSlots:
     @property
     def nbytes(self) -> int:
         """The fused pairs' float32 bytes over all slots (what the stacks hold)."""
-        return sum(t.nbytes for pairs in self._pairs.values() for pair in pairs if pair is not None for t in pair)
+        return sum(self._slot_bytes)
 
     def _check_slot(self, slot: int) -> None:
         if not 0 <= slot < self.max_loras:
             raise ValueError(f"LoRA slot {slot} is out of range: this model has slots 0..{self.max_loras - 1}")
 
     def _restack(self, slot: int, adapter: LoraAdapter) -> None:
-        """Re-fuse slot's pair on every (layer, matrix) the adapter (just loaded or unloaded there) touches and
-        rebuild just those stacks: the others keep the very objects they had."""
-        held = self.adapters[slot]
+        """Rebuild the stack of every (layer, matrix) the adapter (just loaded or unloaded there) touches from
+        each slot's fused pair: the other stacks keep the very objects they had."""
         touched = set()
         for name in adapter.modules:
             _, layer, part = name.split(".", 2)  # "layers.3.self_attn.q_proj"
             touched.add((int(layer), MATRIX_OF_PART[part]))
+        nbytes = 0
         for layer, matrix in sorted(touched):
-            pairs = self._pairs.setdefault((layer, matrix), [None] * self.max_loras)
-            pairs[slot] = fused_pair(held, self.config, layer, matrix) if held is not None else None
+            pairs = [None if held is None else fused_pair(held, self.config, layer, matrix) for held in self.adapters]
+            if pairs[slot] is not None:
+                nbytes += sum(t.nbytes for t in pairs[slot])
             if any(p is not None for p in pairs):
                 self.layers[layer][matrix] = self.backend.lora_stack(pairs)
             else:
-                del self._pairs[layer, matrix], self.layers[layer][matrix]
+                del self.layers[layer][matrix]
+        self._slot_bytes[slot] = nbytes
