@@ -342,6 +342,26 @@ def test_write_refuses_what_float16_cannot_hold_and_leaves_the_old_file(adapter_
     assert (tmp_path / "a.gguf").read_bytes() == b"kept"
 
 
+def test_a_write_that_fails_midway_leaves_the_old_file_and_no_partial_one(adapter_dir, tmp_path, monkeypatch):
+    hf, ad = adapter_dir("llama-r4")
+    lora = read_lora(ad, config_of(hf))
+    (tmp_path / "a.gguf").write_bytes(b"kept")
+
+    def disk_full(self, *args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(gguf.GGUFWriter, "write_tensors_to_file", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        write_lora_gguf(lora, config_of(hf), tmp_path / "a.gguf")
+    assert (tmp_path / "a.gguf").read_bytes() == b"kept"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.gguf"]
+
+
+def test_read_lora_of_a_device_or_fifo_says_it_is_no_regular_file():
+    with pytest.raises(ModelFileError, match=r"/dev/null: not a regular file"):
+        read_lora("/dev/null")
+
+
 def test_write_refuses_other_types(adapter_dir, tmp_path):
     hf, ad = adapter_dir("llama-r4")
     with pytest.raises(ValueError, match="F32 or F16, not 'Q4_0'"):
@@ -631,3 +651,30 @@ def test_llama_cpp_applies_churon_adapter_as_peft_does(adapter_dir, tmp_path, na
     got = torch.tensor(np.array(llm.scores[: len(tokens)])).double()
     scale = want.abs().max()
     assert (got - want).abs().max() <= 1e-5 * scale
+
+
+@pytest.mark.parametrize(("value", "dtype"), [(float("nan"), torch.float32), (1e300, torch.float64)])
+def test_non_finite_adapter_tensors_are_refused_naming_the_tensor(adapter_dir, tmp_path, value, dtype):
+    """A diverged fine-tune's NaN (or an F64 value beyond float32) is the file's error, not NaN logits later."""
+    hf, ad = adapter_dir("llama-r4")
+
+    def poison(ts):
+        v = ts[Q_A].to(dtype)
+        v[1, 2] = value
+        return ts | {Q_A: v}
+
+    bad = copy_adapter(ad, tmp_path / "bad", tensors=poison)
+    with pytest.raises(ModelFileError, match=rf"adapter_model\.safetensors: tensor '{Q_A}' holds NaN or infinite"):
+        read_lora(bad, config_of(hf))
+
+
+def test_a_gguf_adapter_with_an_infinity_is_refused_naming_the_tensor(adapter_dir, tmp_path):
+    hf, ad = adapter_dir("llama-r4")
+    lora = read_lora(ad, config_of(hf))
+    name = "layers.1.mlp.down_proj"
+    b = lora.modules[name].b.clone()
+    b[0, 0] = float("inf")
+    modules = lora.modules | {name: dataclasses.replace(lora.modules[name], b=b)}
+    path = write_lora_gguf(dataclasses.replace(lora, modules=modules), config_of(hf), tmp_path / "a.gguf")
+    with pytest.raises(ModelFileError, match=r"a\.gguf: tensor 'blk\.1\.ffn_down\.weight\.lora_b' holds NaN or infinite"):
+        read_lora(path, config_of(hf))

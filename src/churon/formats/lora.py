@@ -185,8 +185,10 @@ def read_lora(path: str | os.PathLike, config: ModelConfig | None = None, max_ra
     path = Path(path)
     if path.is_dir():
         return _read_peft(path, config, max_rank)
-    if not path.is_file():
+    if not path.exists():
         raise ModelFileError(f"{path}: no such file or directory")
+    if not path.is_file():
+        raise ModelFileError(f"{path}: not a regular file (a LoRA adapter is a directory or a .gguf file)")
     return _read_gguf(path, config, max_rank)
 
 
@@ -526,9 +528,18 @@ def _peft_pairs(weights: Path, f, settings: _PeftSettings) -> dict[str, _Pair]:
 
 def _safetensors_tensor(weights: Path, f, name: str) -> torch.Tensor:
     try:
-        return f.get_tensor(name).float()
+        t = f.get_tensor(name).float()
     except Exception as e:  # safetensors raises SafetensorError for data it cannot read
         raise ModelFileError(f"{weights}: cannot read tensor {name!r}: {e}") from e
+    return _finite(t, weights, name)
+
+
+def _finite(t: torch.Tensor, path: Path, name: str) -> torch.Tensor:
+    """t, refused when it holds a NaN or an infinity (a fine-tune that diverged, or F64 beyond float32): served,
+    it would make every request naming the adapter fail on NaN logits, far from the file at fault."""
+    if not bool(torch.isfinite(t).all()):
+        raise ModelFileError(f"{path}: tensor {name!r} holds NaN or infinite values (in float32)")
+    return t
 
 
 # --- GGUF
@@ -592,7 +603,7 @@ def _gguf_pairs(f: GGUFFile) -> dict[str, _Pair]:
         p = pairs.setdefault(module, _Pair([None, None], [(), ()], [None, None]))
         i = GGUF_PARTS.index(suffix)
         p.names[i], p.shapes[i] = t.name, t.shape
-        p.read[i] = lambda t=t: dequantize(t.data, t.qtype, t.shape, name=t.name)
+        p.read[i] = lambda t=t: _finite(dequantize(t.data, t.qtype, t.shape, name=t.name), f.path, t.name)
     return pairs
 
 
@@ -632,7 +643,9 @@ def write_lora_gguf(adapter: LoraAdapter, config: ModelConfig, out: str | os.Pat
         for suffix, t in zip(GGUF_PARTS, (m.a.float(), b)):
             name = f"{_gguf_name(module)}.{suffix}"
             tensors[name] = _encode(t, qtype_name, name, out)
-    writer = gguf.GGUFWriter(out, config.architecture)
+    # written beside `out` and renamed over it at the end: a failed write leaves what was there before
+    partial = out.with_name(f".{out.name}.partial")
+    writer = gguf.GGUFWriter(partial, config.architecture)
     try:
         writer.add_type(gguf.GGUFType.ADAPTER)
         writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
@@ -646,9 +659,10 @@ def write_lora_gguf(adapter: LoraAdapter, config: ModelConfig, out: str | os.Pat
         writer.write_tensors_to_file()
     except BaseException:
         writer.close()
-        out.unlink(missing_ok=True)  # no half-written file that looks like an adapter
+        partial.unlink(missing_ok=True)
         raise
     writer.close()
+    os.replace(partial, out)
     return out
 
 
