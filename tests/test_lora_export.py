@@ -290,6 +290,16 @@ def test_output_cannot_overwrite_the_adapter(models, tmp_path, capsys):
     assert a.read_bytes() == before
 
 
+def test_output_cannot_overwrite_the_model(models, tmp_path, capsys):
+    hf, adapter = models["llama"]
+    base = quantize_model(hf, tmp_path / "base.gguf", "F32", progress=False).path
+    before = base.read_bytes()
+    for argv in ([base, "--type", "F32"], ["--adapter", base]):  # the adapter alone once wrote over its model
+        assert main(["export", str(base), "--lora", str(adapter), *map(str, argv), "-q"]) == 1
+        assert "would overwrite the" in capsys.readouterr().err
+    assert base.read_bytes() == before
+
+
 # --- llama.cpp loads what churon exported
 
 

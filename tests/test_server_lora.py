@@ -121,6 +121,21 @@ def test_models_lists_each_adapter_after_its_base_model(server, client, adapters
         client.models.retrieve("nope")
 
 
+def test_ollamas_tags_and_show_know_each_adapter_as_a_model(server, adapters):
+    tags = {m["name"]: m for m in httpx.get(f"{server}/api/tags", timeout=30).json()["models"]}
+    assert {MODEL, "alpha", "beta"} <= set(tags)  # as /api/chat takes the name, an Ollama client lists it
+    assert tags["alpha"]["details"]["parent_model"] == MODEL and tags["alpha"]["details"]["adapter"] == str(adapters["alpha"])
+    assert len({tags[n]["digest"] for n in (MODEL, "alpha", "beta")}) == 3
+    shown = httpx.post(f"{server}/api/show", json={"model": "alpha"}, timeout=30)
+    assert shown.status_code == 200, shown.text  # `ollama run alpha` asks for it before it chats
+    base = httpx.post(f"{server}/api/show", json={"model": MODEL}, timeout=30).json()
+    shown = shown.json()
+    assert shown["details"] == tags["alpha"]["details"] and shown["model_info"] == base["model_info"]
+    lines = shown["modelfile"].splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("FROM "))
+    assert lines[at + 1] == f"ADAPTER {adapters['alpha']}"  # where a Modelfile's ADAPTER goes
+
+
 def test_an_adapter_loaded_at_run_time_serves_until_it_is_unloaded(server, client, reference, adapters):
     answer = load(server, "gamma", adapters["gamma"])
     assert answer.status_code == 200 and answer.text == "Success: LoRA adapter 'gamma' added successfully."
@@ -175,7 +190,6 @@ def test_bad_loads_are_400s_naming_the_problem(server, adapters, tmp_path):
 
     assert "already been loaded" in error(load(server, "alpha", adapters["delta"]))
     assert "model this server serves" in error(load(server, MODEL, adapters["delta"]))
-    assert str(tmp_path / "missing") in error(load(server, "missing", tmp_path / "missing"))
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8,
@@ -189,6 +203,20 @@ def test_bad_loads_are_400s_naming_the_problem(server, adapters, tmp_path):
     finally:
         assert unload(server, "gamma").status_code == 200
     assert "nope" in error(unload(server, "nope"), 404)
+
+
+def test_a_path_with_nothing_there_is_vllms_404_and_loads_no_model(server, tmp_path):
+    stop = httpx.post(f"{server}/api/generate", json={"model": MODEL, "keep_alive": 0}, timeout=60).json()
+    assert stop["done_reason"] == "unload"
+    missing = tmp_path / "missing"
+    for path in (missing, tmp_path / ("x" * 300), "nul\x00byte"):  # the last two: no file can have the name
+        answer = load(server, "missing", path)
+        assert answer.status_code == 404, answer.text
+        assert answer.json()["error"] == {"message": f"Loading lora missing failed: No adapter found for {path}",
+                                          "type": "not_found_error", "param": "lora_path",
+                                          "code": "lora_adapter_not_found"}
+    # refused before the base model was loaded back for it (a load that could have unloaded others)
+    assert httpx.get(f"{server}/api/ps", timeout=30).json()["models"] == []
 
 
 def test_runtime_loading_is_a_403_without_allow_lora_loading(model_dir, adapters):

@@ -54,8 +54,10 @@ def export_adapter(model: str | os.PathLike, lora: str | os.PathLike, out: str |
     """Write adapter `lora` (PEFT directory or GGUF adapter) for `model` as a llama.cpp GGUF adapter at `out`,
     A and B as qtype (F32 or F16), llama attn_q / attn_k lora_b rows permuted as that model's weights are."""
     out = Path(out)
-    if out.exists() and out.resolve() == Path(lora).resolve():
-        raise ValueError(f"{out}: the output would overwrite the adapter")
     source = open_model(model)
+    # the writer truncates out before it writes: the model's own GGUF file would be lost, not just replaced
+    for what, given in (("adapter", Path(lora)), ("model", Path(source.path))):
+        if out.exists() and out.resolve() == given.resolve():
+            raise ValueError(f"{out}: the output would overwrite the {what}")
     adapter = lora_for(source, lora)
     return write_lora_gguf(adapter, source.config, out, qtype)

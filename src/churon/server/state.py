@@ -310,13 +310,18 @@ class ServerState:
     async def load_adapter(self, name: str, path: str) -> ServedAdapter:
         """Serve the LoRA adapter at path (read and checked off the event loop) as `name` on lora_base, loading
         that model if need be. A 400 for a name in use, a file that is no adapter for the model (the reader's
-        message), every slot taken (--max-loras); a 403 unless --allow-lora-loading."""
+        message), every slot taken (--max-loras); vLLM's 404 for a path where there is nothing; a 403 unless
+        --allow-lora-loading."""
         self._check_lora_loading()
         self.ready()
         if self.lora_base is None:
             raise APIError(400, "LoRA adapters run on the model `churon serve MODEL` preloads: this server preloads"
                            " none", param="lora_name")
         self._check_adapter_name(name)
+        # before the base model is loaded back for it (which may unload other models to make room)
+        if not await off_loop(_exists, Path(path).expanduser()):
+            raise APIError(404, f"Loading lora {name} failed: No adapter found for {path}", param="lora_path",
+                           code="lora_adapter_not_found", type="not_found_error")
         served = await self.acquire(self.lora_base, "generate")
         try:
             async with self._one_load:  # one change at a time, none while a model (and its adapters) loads
@@ -563,6 +568,13 @@ class ServerState:
                 await asyncio.wait_for(self._changed.wait(), None if soonest == math.inf else soonest - now)
             except TimeoutError:
                 pass
+
+
+def _exists(path: Path) -> bool:
+    try:
+        return path.exists()
+    except (OSError, ValueError):  # a name too long, a NUL byte: no file is there either
+        return False
 
 
 class ReleaseModels:
