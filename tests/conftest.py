@@ -1,4 +1,5 @@
 import os
+from pathlib import Path
 
 import pytest
 
@@ -7,6 +8,10 @@ from churon import kernels
 # Tests never reach a model hub: real weights come from the registry package, tiny ones are built here.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# The subprocesses tests start (churon serve, the CLI) import the checkout under test, as pytest itself does
+# (pyproject's pythonpath), not whatever checkout an editable install points at
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (SRC, os.environ.get("PYTHONPATH")) if p)
 
 
 @pytest.fixture(scope="session")

@@ -2,7 +2,6 @@
 and SmolLM2-135M-Instruct, on files whose answer only the retrieved chunk holds."""
 
 import importlib.util
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,7 +9,6 @@ from pathlib import Path
 import pytest
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "rag.py"
-SRC = EXAMPLE.parent.parent / "src"
 
 
 def _rag():
@@ -75,8 +73,7 @@ QUESTION = "What is the name of the lighthouse keeper's cat?"
 
 
 def _run(*args):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
-    result = subprocess.run([sys.executable, str(EXAMPLE), *args], capture_output=True, text=True, timeout=600, env=env)
+    result = subprocess.run([sys.executable, str(EXAMPLE), *args], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
     return result.stdout
 
