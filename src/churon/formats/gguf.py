@@ -327,6 +327,15 @@ def canonical_name(gguf_name: str) -> str | None:
     return None
 
 
+def file_name(canonical: str) -> str:
+    """A decoder's GGUF tensor name for a canonical one (layers.0.self_attn.q_proj.weight -> blk.0.attn_q.weight):
+    canonical_name's inverse."""
+    if canonical in _FILE_NAMES:
+        return _FILE_NAMES[canonical]
+    _, layer, rest = canonical.split(".", 2)
+    return f"blk.{layer}.{_BLOCK_FILE_NAMES[rest]}"
+
+
 def from_llama_cpp_layout(w: torch.Tensor, n_head: int) -> torch.Tensor:
     """Undo llama.cpp's converter, which interleaves each head's rows for its GPT-J style RoPE."""
     rows = w.shape[0]
@@ -441,10 +450,7 @@ class GGUFModel:
         """The name this file uses (or would use) for a canonical tensor name."""
         if isinstance(self.config, EncoderConfig):
             return bert.gguf_name(canonical)
-        if canonical in _FILE_NAMES:
-            return _FILE_NAMES[canonical]
-        _, layer, rest = canonical.split(".", 2)
-        return f"blk.{layer}.{_BLOCK_FILE_NAMES[rest]}"
+        return file_name(canonical)
 
     def load_weights(self) -> dict[str, GGUFTensor]:
         """Every known tensor as stored (quantized bytes), by canonical name, q/k rows in the Hugging Face layout.

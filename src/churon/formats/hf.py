@@ -180,10 +180,10 @@ class HFModel:
     def check_types(self) -> None:
         """safetensors float types are all readable; an integer weight is a quantization churon does not know."""
         for name, (shard, info) in self._index.items():
-            if info.dtype not in _FLOAT_DTYPES and name.endswith((".weight", ".bias")):
+            if info.dtype not in FLOAT_DTYPES and name.endswith((".weight", ".bias")):
                 raise UnsupportedModelError(
                     f"{shard}: tensor {name!r} has type {info.dtype}, which churon cannot read as a weight"
-                    f" (supported: {', '.join(_FLOAT_DTYPES)})"
+                    f" (supported: {', '.join(FLOAT_DTYPES)})"
                 )
 
     def file_name(self, canonical: str) -> str:
@@ -214,5 +214,5 @@ class HFModel:
             raise ModelFileError(f"{shard}: cannot read tensor {name!r}: {e}") from e
 
 
-_FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
+FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")  # the safetensors dtypes weights are read from (and adapters)
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}

@@ -40,8 +40,9 @@ from safetensors import safe_open
 
 from churon.config import ConfigReader, ModelConfig
 from churon.errors import ModelFileError
-from churon.formats.gguf import GGUFFile, canonical_name, from_llama_cpp_layout
+from churon.formats.gguf import GGUFFile, canonical_name, file_name, from_llama_cpp_layout
 from churon.formats.gguf_writer import FILE_TYPES, to_llama_cpp_layout
+from churon.formats.hf import FLOAT_DTYPES
 from churon.formats.model_dir import read_json_object
 from churon.formats.quants import dequantize
 
@@ -49,16 +50,16 @@ ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_PICKLE = "adapter_model.bin"
 
-# target module kind -> its place in a decoder layer (the canonical name after "layers.N.") and the GGUF
-# tensor it adapts (after "blk.N."); every family churon runs names them alike
+# target module kind -> its place in a decoder layer (the canonical name after "layers.N."); every family
+# churon runs names them alike
 TARGET_MODULES = {
-    "q_proj": ("self_attn.q_proj", "attn_q"),
-    "k_proj": ("self_attn.k_proj", "attn_k"),
-    "v_proj": ("self_attn.v_proj", "attn_v"),
-    "o_proj": ("self_attn.o_proj", "attn_output"),
-    "gate_proj": ("mlp.gate_proj", "ffn_gate"),
-    "up_proj": ("mlp.up_proj", "ffn_up"),
-    "down_proj": ("mlp.down_proj", "ffn_down"),
+    "q_proj": "self_attn.q_proj",
+    "k_proj": "self_attn.k_proj",
+    "v_proj": "self_attn.v_proj",
+    "o_proj": "self_attn.o_proj",
+    "gate_proj": "mlp.gate_proj",
+    "up_proj": "mlp.up_proj",
+    "down_proj": "mlp.down_proj",
 }
 # the modules whose rows llama.cpp's converter interleaves for its RoPE on a llama (LlamaModel.permute)
 _ROPE_ROWS = ("q_proj", "k_proj")
@@ -70,7 +71,6 @@ GGUF_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizati
               GGMLQuantizationType.Q8_0)
 GGUF_PARTS = ("lora_a", "lora_b")  # NAME.lora_a, NAME.lora_b
 WRITE_TYPES = {"F32": GGMLQuantizationType.F32, "F16": GGMLQuantizationType.F16}
-_SAFETENSORS_FLOATS = ("F64", "F32", "F16", "BF16")
 
 # target_modules' shorthand for every linear layer but the output head (PEFT's INCLUDE_LINEAR_LAYERS_SHORTHAND)
 _ALL_LINEAR = "all-linear"
@@ -204,7 +204,7 @@ def _layer(module: str) -> int:
 
 
 def _gguf_name(module: str) -> str:
-    return f"blk.{_layer(module)}.{TARGET_MODULES[_kind(module)][1]}.weight"
+    return file_name(f"{module}.weight")
 
 
 def _matrix_shape(config: ModelConfig, kind: str) -> tuple[tuple[int, str], tuple[int, str]]:
@@ -261,7 +261,7 @@ def _target(path: Path, module: str, tensor: str, adapted: str) -> str:
     """The canonical module name (layers.N.self_attn.q_proj) of a module path without its model prefix;
     adapted: what the file names it (for the message)."""
     m = _MODULE.fullmatch(module)
-    if m is None or m.group(3) not in TARGET_MODULES or TARGET_MODULES[m.group(3)][0] != f"{m.group(2)}.{m.group(3)}":
+    if m is None or m.group(3) not in TARGET_MODULES or TARGET_MODULES[m.group(3)] != f"{m.group(2)}.{m.group(3)}":
         raise ModelFileError(
             f"{path}: tensor {tensor!r} adapts {adapted!r}, which churon does not apply LoRA to"
             f" (supported: the {_SUPPORTED} of each decoder layer)")
@@ -513,10 +513,10 @@ def _peft_pairs(weights: Path, f, settings: _PeftSettings) -> dict[str, _Pair]:
             raise ModelFileError(
                 f"{weights}: tensor {name!r} adapts {key!r}, which target_modules in {ADAPTER_CONFIG} does not name")
         sl = f.get_slice(name)
-        if sl.get_dtype() not in _SAFETENSORS_FLOATS:
+        if sl.get_dtype() not in FLOAT_DTYPES:
             raise ModelFileError(
                 f"{weights}: tensor {name!r} has type {sl.get_dtype()}, not a float type"
-                f" ({', '.join(_SAFETENSORS_FLOATS)})")
+                f" ({', '.join(FLOAT_DTYPES)})")
         p = pairs.setdefault(module, _Pair([None, None], [(), ()], [None, None]))
         i = "AB".index(m["ab"])
         if p.names[i] is not None:
