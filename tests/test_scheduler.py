@@ -70,7 +70,7 @@ class FakeEngine:
                 seq = sc.seq
                 context = [self.kv[self.slot(seq, t)] for t in range(seq.num_tokens)]
                 assert [p for p, _ in context] == list(range(seq.num_tokens))
-                sampled[seq.seq_id] = next_token([tok for _, tok in context])
+                sampled[seq.seq_id] = [next_token([tok for _, tok in context])]
         sched.update_from_output(out, sampled)
         if self.check:
             check_invariants(self.bm, self.seqs)
@@ -319,14 +319,14 @@ def test_update_from_output_commits_appends_and_finishes_on_stop_tokens_and_max_
         sched.add(seq)
     out = sched.schedule()
     assert [s.num_tokens for s in out.scheduled] == [5, 5, 2]
-    sched.update_from_output(out, {0: 7, 1: 7, 2: 41})
+    sched.update_from_output(out, {0: [7], 1: [7], 2: [41]})
     assert [s.num_computed_tokens for s in (stops, short, eos_ignored)] == [5, 5, 2]
     assert bm.num_cached_prefix_tokens(Sequence([1, 2, 3, 4, 5, 6])) == 4  # the full block went to the cache
     assert stops.output_token_ids == [7] and eos_ignored.output_token_ids == [41] and short.output_token_ids == [7]
     assert not any(s.is_finished for s in (stops, short, eos_ignored))
 
     out = sched.schedule()
-    sched.update_from_output(out, {0: 41, 1: 8, 2: 40})  # the model's EOS; max_tokens reached; a token like any other
+    sched.update_from_output(out, {0: [41], 1: [8], 2: [40]})  # the model's EOS; max_tokens reached; a token like any other
     assert stops.is_finished and stops.finish_reason == "stop" and stops.output_token_ids == [7]  # not appended
     assert short.is_finished and short.finish_reason == "length" and short.output_token_ids == [7, 8]
     assert not eos_ignored.is_finished and eos_ignored.output_token_ids == [41, 40]

@@ -226,6 +226,59 @@ KV_DTYPE_CHOICES = ("float32", "bfloat16", "float16", "int8")
 
 MAX_LORAS = 256  # EngineConfig.max_loras at most
 MAX_LORA_RANK = 4096  # EngineConfig.max_lora_rank at most
+# SpeculativeConfig.num_tokens at most: a verification pass of k + 1 rows costs little more than one row only
+# while k is small, and a proposal past a few dozen tokens is almost never accepted whole
+MAX_SPECULATIVE_TOKENS = 32
+SPECULATIVE_METHODS = ("ngram", "draft")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding: each decoding request proposes up to num_tokens tokens per step, which the target
+    model scores in the step's one batched pass; the longest prefix its own sampling agrees with is kept
+    (engine/speculative/). The output is the one without speculation (see engine/speculative/__init__.py).
+
+    method: "ngram" (prompt lookup: the tokens that followed the latest earlier occurrence of the last n tokens,
+        n from ngram_max down to ngram_min, in the prompt and the output so far) or "draft" (a smaller model with
+        the same vocabulary, `model`: a path or registry name, run greedily on its own KV cache).
+    adaptive: each request's proposal length follows its recent acceptance rate, down to none where speculation
+        does not pay (False: always num_tokens, for tests).
+    """
+
+    method: str = "ngram"
+    num_tokens: int = 4
+    ngram_max: int = 4
+    ngram_min: int = 2
+    model: str | None = None
+    adaptive: bool = True
+
+    def __post_init__(self):
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"invalid speculative method {self.method!r}: must be one of {', '.join(SPECULATIVE_METHODS)}")
+        for name, low, high in (("num_tokens", 1, MAX_SPECULATIVE_TOKENS), ("ngram_max", 1, 64), ("ngram_min", 1, 64)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+                raise ValueError(f"invalid speculative setting {name}={value!r}: must be an integer in [{low}, {high}]")
+        if self.ngram_min > self.ngram_max:
+            raise ValueError(f"invalid speculative settings: ngram_min={self.ngram_min} is above ngram_max={self.ngram_max}")
+        if (self.method == "draft") != (self.model is not None):
+            raise ValueError("speculative method 'draft' needs a draft model (model=PATH), and only it takes one")
+        if self.model is not None and (not isinstance(self.model, str) or not self.model):
+            raise ValueError(f"invalid speculative setting model={self.model!r}: must be a path or registry name")
+        if not isinstance(self.adaptive, bool):
+            raise ValueError(f"invalid speculative setting adaptive={self.adaptive!r}: must be True or False")
+
+    @classmethod
+    def of(cls, value: "SpeculativeConfig | Mapping[str, Any] | None") -> "SpeculativeConfig | None":
+        """From LLM(speculative=...)'s value: a config, a dict of its fields, or None (no speculation)."""
+        if value is None or isinstance(value, cls):
+            return value
+        if not isinstance(value, Mapping):
+            raise ValueError(f"invalid speculative setting {value!r}: must be a dict such as {{'method': 'ngram'}}")
+        unknown = sorted(set(value) - set(cls.__dataclass_fields__))
+        if unknown:
+            raise ValueError(f"unknown speculative setting {unknown[0]!r} (known: {', '.join(cls.__dataclass_fields__)})")
+        return cls(**value)
 
 
 @dataclass
@@ -243,8 +296,10 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     max_loras: int = 8  # LoRA adapters loaded at once (each holds a slot the batch's tokens pick); 0: none
     max_lora_rank: int = 64  # the largest rank an adapter may have
+    speculative: SpeculativeConfig | None = None  # speculative decoding (None: off); a dict is read as its fields
 
     def __post_init__(self):
+        self.speculative = SpeculativeConfig.of(self.speculative)
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:

@@ -49,6 +49,11 @@ class Grammar:
             # the sampler only draws allowed tokens, so this is a bug, not bad input
             raise RuntimeError(f"structured output: token {token} rejected by the grammar: {self.matcher.get_error()}")
 
+    def num_valid(self, tokens: list[int]) -> int:
+        """How many of tokens, in order, the grammar would accept from here (changes nothing): speculative
+        decoding cuts a proposal there, since the sampler would never draw the token after."""
+        return self.matcher.validate_tokens(tokens)
+
     @property
     def is_terminated(self) -> bool:
         """The output is a complete value and nothing more can follow."""

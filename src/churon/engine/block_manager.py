@@ -207,20 +207,36 @@ class BlockManager:
         prefix (a tail is useless without the blocks before it).
         """
         for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            if block.ref_count <= 0:
-                raise RuntimeError(f"block {block_id} freed more often than allocated ({seq!r})")
-            block.ref_count -= 1
-            if block.ref_count:
-                continue
-            if block.hash is not None and self.hash_to_block.setdefault(block.hash, block_id) == block_id:
-                self._evictable[block_id] = None  # most recently used end
-            else:  # never committed, or a duplicate of a prefix another block holds
-                block.hash, block.token_ids = None, ()
-                self._free.append(block_id)
+            self._release(block_id, seq)
         seq.block_table = []
         seq.num_computed_tokens = 0
         self._num_committed.pop(seq.seq_id, None)
+
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        """Forget seq's K/V from token num_tokens on (speculative decoding's rejected proposals): at most
+        num_tokens count as computed, and the blocks past the ones num_tokens tokens fill go back. Only
+        uncommitted tokens can be forgotten, so no prefix-cache block ever loses what its hash names; the caller
+        cuts seq.token_ids itself where the forgotten tokens were in it (a draft model's own sequence)."""
+        if num_tokens < self._num_committed.get(seq.seq_id, 0) * self.block_size:
+            raise ValueError(f"{seq!r}: cannot truncate to {num_tokens} tokens, below its blocks in the prefix cache")
+        keep = self.num_blocks_for(num_tokens)
+        while len(seq.block_table) > keep:
+            self._release(seq.block_table.pop(), seq)
+        seq.num_computed_tokens = min(seq.num_computed_tokens, num_tokens)
+
+    def _release(self, block_id: int, seq: Sequence) -> None:
+        """Drop one of seq's references to block_id: at zero a cached block becomes evictable, any other free."""
+        block = self.blocks[block_id]
+        if block.ref_count <= 0:
+            raise RuntimeError(f"block {block_id} freed more often than allocated ({seq!r})")
+        block.ref_count -= 1
+        if block.ref_count:
+            return
+        if block.hash is not None and self.hash_to_block.setdefault(block.hash, block_id) == block_id:
+            self._evictable[block_id] = None  # most recently used end
+        else:  # never committed, or a duplicate of a prefix another block holds
+            block.hash, block.token_ids = None, ()
+            self._free.append(block_id)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix. Only possible while no sequence holds blocks: returns False otherwise."""

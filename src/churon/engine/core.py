@@ -17,6 +17,11 @@ fails alone: it finishes with finish_reason "error" and a message on its output,
 back, and the step goes on for the others (vLLM's "error" finish reason). generate() returns such
 outputs beside the others; a stream raises GenerationError.
 
+Speculative decoding (EngineConfig.speculative, engine/speculative/): before scheduling, each decoding
+request may propose tokens; they run in the same step after its last token, and verification keeps those
+its own draws agree with, so a step may give a request several tokens (one Delta each) and the output is
+the one without speculation.
+
 LoRA adapters (engine/lora.py) are loaded by name with add_lora; a request names one in its
 SamplingParams.lora and holds it until it leaves the engine (_leave: finished, aborted or failed),
 so remove_lora never takes an adapter from under a request that runs with it.
@@ -40,6 +45,8 @@ from churon.engine.request import Request
 from churon.engine.runner import ModelRunner
 from churon.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from churon.engine.sequence import Sequence as Seq
+from churon.engine.speculative import Speculator
+from churon.engine.speculative.draft import DraftProposer, check_same_vocabulary
 from churon.errors import ContextLengthError, GenerationError
 from churon.model.transformer import Transformer
 from churon.sampling import SamplingParams
@@ -59,7 +66,10 @@ log = logging.getLogger("churon.engine")
 class LLMEngine:
     """Continuous batching over a paged KV cache. Not thread-safe: one caller drives step()."""
 
-    def __init__(self, model: Transformer, tokenizer: Tokenizer, config: EngineConfig | None = None):
+    def __init__(self, model: Transformer, tokenizer: Tokenizer, config: EngineConfig | None = None, *,
+                 draft_model: Transformer | None = None, draft_tokenizer: Tokenizer | None = None):
+        """draft_model, draft_tokenizer: the draft model config.speculative names (method "draft"), loaded by the
+        caller like the model; its vocabulary must be the model's (ValueError naming the first token that differs)."""
         self.model = model
         self.tokenizer = tokenizer
         self.config = config or EngineConfig()
@@ -79,6 +89,23 @@ class LLMEngine:
         self.structured_output = StructuredOutput(tokenizer, self.model_config.vocab_size)
         self.requests: dict[int, Request] = {}
         self.lora: LoraManager | None = None  # made by the first add_lora: an engine without adapters pays nothing
+        self.speculator = self._speculator(draft_model, draft_tokenizer, kv_dtype)
+
+    def _speculator(self, draft_model: Transformer | None, draft_tokenizer: Tokenizer | None, kv_dtype) -> Speculator | None:
+        spec = self.config.speculative
+        if spec is None or spec.method != "draft":
+            if draft_model is not None:
+                raise ValueError("a draft model was given, but the engine's speculative method is not 'draft'")
+            return None if spec is None else Speculator(spec)
+        if draft_model is None or draft_tokenizer is None:
+            raise ValueError(f"speculative method 'draft' needs the draft model {spec.model!r} and its tokenizer, loaded")
+        check_same_vocabulary(self.tokenizer, draft_tokenizer, spec.model)
+        # the draft holds as many tokens as the model's cache: every running sequence can propose
+        draft = DraftProposer(draft_model, self.memory_plan.num_blocks, self.config.block_size,
+                              self.config.kv_torch_dtype(draft_model.kv_dtype),
+                              min(self.model_config.vocab_size, draft_model.config.vocab_size))
+        # a decode step reads every weight once: the draft's share of the bytes is its share of the time
+        return Speculator(spec, draft, draft_cost=draft_model.weight_bytes() / self.model.weight_bytes())
 
     def add_lora(self, name: str, source: str | os.PathLike | LoraAdapter) -> None:
         """Load a LoRA adapter (a PEFT directory, a GGUF adapter file, or one read already) for requests to
@@ -165,6 +192,8 @@ class LLMEngine:
         request = self.requests.pop(request_id)
         if request.seq.lora_slot >= 0:
             self.lora.release(request.seq.lora_slot)
+        if self.speculator is not None:
+            self.speculator.drop(request_id)
         return request
 
     def abort(self, request_id: int) -> bool:
@@ -188,52 +217,75 @@ class LLMEngine:
             prefix_cache_hit_blocks=bm.num_hit_blocks,
             prefix_cache_miss_blocks=bm.num_miss_blocks,
             preemptions=sched.num_preemptions,
+            **({} if (spec := self.speculator) is None else {
+                "spec_proposed_tokens": spec.num_proposed, "spec_accepted_tokens": spec.num_accepted,
+                "spec_verifications": spec.num_verifications,
+            }),
         )
 
     def step(self) -> list[Delta]:
         """One step of the pipeline; the deltas of every request that produced a token."""
-        out = self.scheduler.schedule()
+        out = self.scheduler.schedule(self._proposals() if self.speculator is not None else None)
         if out.is_empty:
             return []
         sampled, failed = self._execute(out)
         self.scheduler.update_from_output(out, sampled)
         return self._output(sampled, failed)
 
-    def _execute(self, out: SchedulerOutput) -> tuple[dict[int, int], dict[int, Exception]]:
-        """Run the model on the scheduled tokens; seq_id -> the token each sampling request drew, and
-        seq_id -> the error of each request whose logits or sampling failed."""
+    def _proposals(self) -> dict[int, list[int]]:
+        """Speculative decoding: seq_id -> the tokens each decoding sequence proposes after its last one, at most
+        one fewer than max_tokens leaves (verification draws one more), cut where its grammar would refuse them."""
+        decoding = [(seq, seq.max_tokens - seq.num_output_tokens - 1) for seq in self.scheduler.running
+                    if seq.num_uncomputed_tokens == 1]
+        proposals = self.speculator.propose(decoding)
+        for seq_id, draft in proposals.items():
+            grammar = self.requests[seq_id].grammar
+            if grammar is not None:
+                del draft[grammar.num_valid(draft):]
+        return proposals
+
+    def _execute(self, out: SchedulerOutput) -> tuple[dict[int, list[int]], dict[int, Exception]]:
+        """Run the model on the scheduled tokens; seq_id -> the tokens each sampling request drew (one, or
+        with proposed tokens the ones verification kept and the draw after them), and seq_id -> the error
+        of each request whose logits or sampling failed."""
         all_rows = [self._needs_all_logits(s) for s in out.scheduled]
         logits = self.runner.execute(out.scheduled, all_rows)
         sampled, failed = {}, {}
         row = 0
         for s, all_logits in zip(out.scheduled, all_rows):
-            num_rows = s.num_tokens if all_logits else int(s.sample)
+            num_rows = s.num_tokens if all_logits else (1 + len(s.draft)) * int(s.sample)
             rows = logits[row : row + num_rows]
             row += num_rows
             request = self.requests[s.seq.seq_id]
             try:
                 if all_logits:
                     request.on_prompt_logits(rows, s.start)
-                if s.sample:
-                    sampled[s.seq.seq_id] = request.sample(rows[-1])
+                if s.draft:
+                    tokens = sampled[s.seq.seq_id] = request.verify(rows, s.draft)
+                    accepted = sum(1 for token, proposed in zip(tokens, s.draft) if token == proposed)
+                    self.speculator.record(s.seq.seq_id, len(s.draft), accepted)
+                elif s.sample:
+                    sampled[s.seq.seq_id] = [request.sample(rows[-1])]
             except Exception as e:  # this request's own logits, grammar or logprobs: it fails alone
                 failed[s.seq.seq_id] = e
         return sampled, failed
 
-    def _output(self, sampled: dict[int, int], failed: dict[int, Exception]) -> list[Delta]:
+    def _output(self, sampled: dict[int, list[int]], failed: dict[int, Exception]) -> list[Delta]:
         deltas = [self._fail(self.requests[seq_id], e) for seq_id, e in failed.items()]
-        for seq_id, token in sampled.items():
+        for seq_id, tokens in sampled.items():
             request = self.requests[seq_id]
-            try:
-                delta = request.on_token(token)
-            except Exception as e:  # its detokenizer or stop strings
-                deltas.append(self._fail(request, e))
-                continue
-            if delta.finish_reason is not None:
-                if not request.seq.is_finished:  # a stop string, or a complete structured-output value
-                    self.scheduler.finish(request.seq, "stop")
-                self._leave(seq_id)
-            deltas.append(delta)
+            for token in tokens:
+                try:
+                    delta = request.on_token(token)
+                except Exception as e:  # its detokenizer or stop strings
+                    deltas.append(self._fail(request, e))
+                    break
+                deltas.append(delta)
+                if delta.finish_reason is not None:  # tokens after it (past a stop string) are not output
+                    if not request.seq.is_finished:  # a stop string, or a complete structured-output value
+                        self.scheduler.finish(request.seq, "stop")
+                    self._leave(seq_id)
+                    break
         return deltas
 
     def _fail(self, request: Request, error: Exception) -> Delta:

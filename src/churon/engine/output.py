@@ -87,3 +87,19 @@ class EngineStats:
     prefix_cache_hit_blocks: int
     prefix_cache_miss_blocks: int
     preemptions: int
+    # speculative decoding (engine/speculative/), since start: tokens proposed and accepted, and verifications (a
+    # request's steps that scored at least one proposed token); all 0 without speculation
+    spec_proposed_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_verifications: int = 0
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        """Accepted proposed tokens over proposed ones (0 before any)."""
+        return self.spec_accepted_tokens / self.spec_proposed_tokens if self.spec_proposed_tokens else 0.0
+
+    @property
+    def spec_mean_accepted_length(self) -> float:
+        """Tokens a verification produced on average: its accepted proposals plus the token the target drew itself
+        (1 is no gain; 0 before any verification)."""
+        return 1 + self.spec_accepted_tokens / self.spec_verifications if self.spec_verifications else 0.0

@@ -1,9 +1,10 @@
 """Request: one request's state around its Sequence, for the two ends of a step.
 
 Execute: sample() draws the next token from the raw logits row of the sequence's last token, within
-its grammar if it has one, and records prompt logprobs from prefill rows. Output: on_token() turns
-the token the scheduler took (or ended the sequence on) into text through the detokenizer, which
-also finds stop strings, and gives the step's Delta.
+its grammar if it has one, and records prompt logprobs from prefill rows; verify() draws from the rows of
+tokens proposed by speculative decoding in turn, keeping the proposals its draws agree with. Output:
+on_token() turns each token the scheduler took (or ended the sequence on) into text through the
+detokenizer, which also finds stop strings, and gives its Delta.
 
 A request's tokens depend only on its own prompt, parameters and seed: its sampler and RNG are its
 own, and the kernels compute each token's row the same way whatever else is in the batch.
@@ -12,6 +13,7 @@ own, and the kernels compute each token's row the same way whatever else is in t
 from __future__ import annotations
 
 import time
+from collections import deque
 
 import torch
 
@@ -32,7 +34,8 @@ class Request:
         self.detokenizer = Detokenizer(tokenizer, seq.prompt_token_ids, params.skip_special_tokens, params.stop)
         self.arrival = time.perf_counter()
         self.first_token_time: float | None = None
-        self.logprob: TokenLogprob | None = None  # of the token sampled last, when params.logprobs is set
+        # the logprobs of the tokens sampled and not yet output, when params.logprobs is set (None entries otherwise)
+        self._logprobs: deque[TokenLogprob | None] = deque()
         self.output = CompletionOutput(
             "", [], None, seq.prompt_token_ids, Metrics(prompt_tokens=len(seq.prompt_token_ids)), seq.seq_id
         )
@@ -66,12 +69,30 @@ class Request:
         allowed = self.grammar.allowed_tokens() if self.grammar is not None else None
         token = self.sampler(logits, allowed)
         num_top = self.seq.params.logprobs
-        self.logprob = None if num_top is None else token_logprobs(logits[None, : self.vocab_size], [token], num_top)[0]
+        self._logprobs.append(None if num_top is None else token_logprobs(logits[None, : self.vocab_size], [token], num_top)[0])
         if token not in self.seq.stop_token_ids:
             self.sampler.accept(token)
             if self.grammar is not None:
                 self.grammar.accept(token)
         return token
+
+    def verify(self, logits: torch.Tensor, draft: list[int]) -> list[int]:
+        """Speculative decoding's verification. logits: the raw rows of the last token and of each proposed token
+        after it (1 + len(draft) rows). Each row is sampled as decoding would sample it, in turn, while the draws
+        equal the proposals: the tokens are the accepted proposals and the draw after them (the first that differs,
+        or the one after the last proposal). A stop token, max_tokens or a complete structured-output value ends
+        them early: nothing after the end is drawn, so the sampler's generator advances exactly as without
+        proposals."""
+        seq = self.seq
+        room = seq.max_tokens - seq.num_output_tokens
+        tokens: list[int] = []
+        for i, row in enumerate(logits[: len(draft) + 1]):
+            token = self.sample(row)
+            tokens.append(token)
+            done = token in seq.stop_token_ids or len(tokens) >= room or (self.grammar is not None and self.grammar.is_terminated)
+            if done or i == len(draft) or token != draft[i]:
+                break
+        return tokens
 
     # -- output ------------------------------------------------------------------------
 
@@ -85,7 +106,7 @@ class Request:
             self.first_token_time = now
             out.metrics.prefill_seconds = now - self.arrival
             out.metrics.cached_prompt_tokens = seq.num_cached_tokens
-        logprob = self.logprob
+        logprob = self._logprobs.popleft()
         out.token_ids.append(token)
         if out.logprobs is not None:
             out.logprobs.append(logprob)
@@ -99,8 +120,8 @@ class Request:
             text = self.detokenizer.update(token)
             if self.detokenizer.stopped or (self.grammar is not None and self.grammar.is_terminated):
                 out.finish_reason = "stop"
-            elif seq.is_finished:  # max_tokens
-                out.finish_reason = seq.finish_reason
+            elif seq.finish_reason == "length" and len(out.token_ids) >= seq.max_tokens:  # at the last token a step drew
+                out.finish_reason = "length"
             if out.finish_reason is not None and not self.detokenizer.stopped:
                 text += self.detokenizer.finish()
                 if self.detokenizer.stopped:

@@ -1,6 +1,7 @@
 """ModelRunner: executes what the scheduler decided, on the model and the KV-cache memory.
 
-scheduled sequences -> ForwardBatch (positions, slot mapping, block tables, LoRA slots) -> model -> logits
+scheduled sequences (and their proposed tokens) -> ForwardBatch (positions, slot mapping, block tables, LoRA
+slots) -> model -> logits
 """
 
 from __future__ import annotations
@@ -22,12 +23,13 @@ class ModelRunner:
 
     def execute(self, scheduled: list[ScheduledSeq], all_logits: Sequence[bool] | None = None) -> torch.Tensor:
         """Run one step; float32 logits in the order of `scheduled`: every row of the sequences
-        all_logits marks (prompt logprobs), else one row for each sequence that samples."""
+        all_logits marks (prompt logprobs), else for each sequence that samples the row of its last token and
+        those of the tokens proposed after it (speculative decoding)."""
         all_logits = all_logits or [False] * len(scheduled)
         chunks = [
             SequenceChunk(
-                s.seq.token_ids[: s.start + s.num_tokens], s.start, s.seq.block_table, need_logits=s.sample, all_logits=every,
-                lora_slot=s.seq.lora_slot, lora_scale=s.seq.lora_scale,
+                s.seq.token_ids[: s.start + s.num_tokens] + s.draft, s.start, s.seq.block_table, need_logits=s.sample,
+                num_logits=1 + len(s.draft), all_logits=every, lora_slot=s.seq.lora_slot, lora_scale=s.seq.lora_scale,
             )
             for s, every in zip(scheduled, all_logits, strict=True)
         ]

@@ -22,6 +22,12 @@ After the runner executed a step, update_from_output takes what it computed: eve
 sequence's tokens count as computed (their full blocks enter the prefix cache), each sampled
 token is appended, and a sequence ending on a stop token or at max_tokens is finished.
 
+Speculative decoding (engine/speculative/): schedule() may be given proposed tokens for decoding
+sequences. They run after the sequence's last token within the same token budget, and get blocks, but
+never cost anyone else anything: where the budget is short they are cut, and where their blocks cannot
+be had they are dropped before any sequence is preempted. After the step a sequence's accepted
+proposals count as computed, and the blocks only its rejected ones used go back.
+
 Finishing a sequence costs O(1) wherever it is: one leaving the waiting queue (an abort: a client
 that disconnected) stays in it, finished, until it reaches the head or the queue is compacted (once
 finished ones are half of it), so 40k queued aborts cost 40k steps of work, not 40k scans of the queue.
@@ -49,6 +55,8 @@ class ScheduledSeq:
 
     seq: Sequence
     num_tokens: int
+    # proposed tokens (speculative decoding) run after the sequence's last token, whose logits verify them
+    draft: list[int] = field(default_factory=list)
     start: int = field(init=False)  # seq.num_computed_tokens when scheduled: position of the first token
     sample: bool = field(init=False)  # this step computes the last uncomputed token: sample from its logits
 
@@ -64,7 +72,7 @@ class SchedulerOutput:
 
     @property
     def num_batched_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.scheduled)
+        return sum(s.num_tokens + len(s.draft) for s in self.scheduled)
 
     @property
     def is_empty(self) -> bool:
@@ -166,27 +174,36 @@ class Scheduler:
         self.finish(seq, "abort")
         return True
 
-    def update_from_output(self, out: SchedulerOutput, sampled: Mapping[int, int]) -> None:
-        """After the step `out` ran: its tokens are computed, and sampled (seq_id -> token id, one for
-        each sequence that sampled) extends the sequences. A stop token finishes its sequence with
-        "stop" without joining it; reaching seq.max_tokens finishes it with "length"."""
+    def update_from_output(self, out: SchedulerOutput, sampled: Mapping[int, list[int]]) -> None:
+        """After the step `out` ran: its tokens are computed, and sampled (seq_id -> the tokens each sequence
+        that sampled drew: one, or with proposals the accepted ones and the draw after them) extends the
+        sequences. A stop token finishes its sequence with "stop" without joining it; reaching seq.max_tokens
+        finishes it with "length". An accepted proposal's K/V were computed in the step: it counts as computed;
+        the blocks that only rejected proposals filled go back."""
+        bm = self.block_manager
         for s in out.scheduled:
             seq = s.seq
-            self.block_manager.commit(seq, s.num_tokens)
-            token = sampled.get(seq.seq_id)
-            if token is None:
-                continue
-            if token in seq.stop_token_ids:
-                self.finish(seq, "stop")
-                continue
-            seq.append_token(token)
-            if seq.num_output_tokens >= seq.max_tokens:
-                self.finish(seq, "length")
+            bm.commit(seq, s.num_tokens)
+            tokens = sampled.get(seq.seq_id, ())
+            for i, token in enumerate(tokens):
+                if token in seq.stop_token_ids:
+                    self.finish(seq, "stop")
+                    break
+                seq.append_token(token)
+                if seq.num_output_tokens >= seq.max_tokens:
+                    self.finish(seq, "length")
+                    break
+                if i < len(tokens) - 1:  # an accepted proposal: its K/V are the ones the step wrote
+                    bm.commit(seq, 1)
+            if s.draft and not seq.is_finished:
+                bm.truncate(seq, seq.num_tokens)
 
     # -- scheduling --------------------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, proposals: Mapping[int, list[int]] | None = None) -> SchedulerOutput:
+        """The next step. proposals: seq_id -> tokens proposed after a decoding sequence's last token."""
         out = SchedulerOutput()
+        proposals = proposals or {}
         budget = self.max_num_batched_tokens
         logits_rows = self.max_prompt_logits_rows if self.enable_chunked_prefill else None
         bm = self.block_manager
@@ -202,7 +219,10 @@ class Scheduler:
             if n <= 0:  # its sampled token is not appended yet, or no prompt-logits rows are left this step
                 i += 1
                 continue
-            while not bm.allocate(seq, n):
+            draft = proposals.get(seq.seq_id, [])[: budget - n] if seq.num_uncomputed_tokens == 1 else []
+            if draft and not bm.allocate(seq, n + len(draft)):
+                draft = []  # a proposal never preempts anyone: the sequence runs without it
+            while not draft and not bm.allocate(seq, n):
                 victim = self.running[-1]
                 if victim is seq and i == 0:
                     raise CacheCapacityError(
@@ -214,8 +234,8 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                out.scheduled.append(ScheduledSeq(seq, n))
-                budget -= n
+                out.scheduled.append(ScheduledSeq(seq, n, draft))
+                budget -= n + len(draft)
                 if logits_rows is not None and _scores_prompt(seq):
                     logits_rows -= n
                 i += 1

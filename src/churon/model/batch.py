@@ -23,6 +23,7 @@ class SequenceChunk:
     start: int
     block_table: Sequence[int]
     need_logits: bool = True  # logits of the last token
+    num_logits: int = 1  # with need_logits: of the last this many tokens (speculative decoding's verification)
     all_logits: bool = False  # logits of every token (evaluation)
     lora_slot: int = -1  # the LoRA adapter's slot (churon.model.lora.LoraSlots); -1: none
     lora_scale: float = 1.0  # multiplies the adapter's delta (the request's lora_scale)
@@ -83,7 +84,9 @@ class ForwardBatch:
             if c.all_logits:
                 logits_indices.extend(range(query_start[-1], query_start[-1] + end - c.start))
             elif c.need_logits:
-                logits_indices.append(query_start[-1] + end - c.start - 1)
+                if not 1 <= c.num_logits <= end - c.start:
+                    raise ValueError(f"sequence chunk {i}: logits of its last {c.num_logits} tokens of {end - c.start}")
+                logits_indices.extend(range(query_start[-1] + end - c.start - c.num_logits, query_start[-1] + end - c.start))
             query_start.append(query_start[-1] + end - c.start)
         block_tables = torch.tensor(tables, dtype=torch.int32)
         positions_t = torch.tensor(positions, dtype=torch.int64)
