@@ -10,6 +10,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+from churon.config import MAX_SPECULATIVE_TOKENS, SpeculativeConfig
 from churon.errors import ChuronError
 from churon.registry import DEFAULT_MODEL, REGISTRY, cached_models, pull_model, registry_entry
 
@@ -41,6 +42,44 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
                    help="native CPU kernels, or the plain PyTorch reference (default: native when built)")
 
 
+def _speculative_tokens(text: str) -> int:
+    """--num-speculative-tokens' value: argparse names the flag when this refuses it."""
+    try:
+        k = int(text)
+    except ValueError:
+        k = 0
+    if not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+        raise argparse.ArgumentTypeError(f"{text!r}: give an integer in [1, {MAX_SPECULATIVE_TOKENS}]")
+    return k
+
+
+def _add_speculative_args(p: argparse.ArgumentParser, served: bool = False) -> None:
+    which = ("every text model served (a draft model loads with each one that loads)" if served
+             else "the model")
+    p.add_argument("--speculative", default=None, metavar="ngram|DRAFT_MODEL",
+                   help="speculative decoding, the same output in fewer steps, for " + which + ": 'ngram' proposes"
+                        " what followed the latest earlier occurrence of the text's last few tokens (prompt lookup;"
+                        " pays where answers repeat their prompt: code edits, extraction, summaries); anything else"
+                        " is a draft model (registry name, .gguf file or HF directory; ./ngram for a file so named)"
+                        " with the same vocabulary, loaded as the model is (same --kernels, --dtype, --threads)")
+    p.add_argument("--num-speculative-tokens", type=_speculative_tokens, default=None, metavar="K",
+                   help=f"most tokens proposed per step, 1..{MAX_SPECULATIVE_TOKENS} (default 4; a request proposes"
+                        " fewer, or none for a while, where its proposals are rejected)")
+
+
+def _speculative(args) -> SpeculativeConfig | None:
+    """--speculative and --num-speculative-tokens as EngineConfig's speculative (None: off)."""
+    if args.speculative is None:
+        if args.num_speculative_tokens is not None:
+            raise ValueError("--num-speculative-tokens is for speculative decoding: give --speculative ngram or"
+                             " --speculative DRAFT_MODEL")
+        return None
+    k = {"num_tokens": args.num_speculative_tokens} if args.num_speculative_tokens is not None else {}
+    if args.speculative == "ngram":
+        return SpeculativeConfig("ngram", **k)
+    return SpeculativeConfig("draft", model=args.speculative, **k)
+
+
 def _sampling_params(args, created=None):
     """The flags given (named as SamplingParams' fields), over a created model's PARAMETERs, over SAMPLING_DEFAULTS;
     a created model's ADAPTER on every request (_load loads it)."""
@@ -64,19 +103,22 @@ def _created(model: str | None):
 
 def _load(args, created=None, lora_adapters=None):
     """The model of `churon run` / `chat`, loaded to generate text; a created model on its base, with its num_ctx,
-    its ADAPTER and its TEMPLATE as the chat template; lora_adapters: LLM's (--lora)."""
+    its ADAPTER and its TEMPLATE as the chat template; lora_adapters: LLM's (--lora); --speculative's draft model
+    loaded beside it."""
     from churon.errors import TaskError
     from churon.llm import LLM
     from churon.model_store import resolve
 
     model = args.model or DEFAULT_MODEL
+    speculative = _speculative(args)  # a bad flag fails before the (slow) model load
     path = resolve(created.name)[0] if created is not None else model
     num_ctx = created.parameters.get("num_ctx") if created is not None else None
     if created is not None:
         lora_adapters = {**created.lora_adapters, **(lora_adapters or {})}
     try:
         llm = LLM(path, task="generate", dtype=args.dtype, kernels=args.kernels, threads=args.threads,
-                  lora_adapters=lora_adapters, **({"max_model_len": num_ctx} if num_ctx is not None else {}))
+                  lora_adapters=lora_adapters, speculative=speculative,
+                  **({"max_model_len": num_ctx} if num_ctx is not None else {}))
     except TaskError as e:
         raise TaskError(f"{e}: `churon {args.command}` needs a text-generation model (`churon embed {model} TEXT`"
                         " embeds text with this one)") from None
@@ -153,6 +195,8 @@ def cmd_run(args) -> int:
     sys.stdout.write("\n")
     if args.verbose and delta is not None:
         _print_metrics(delta.output)
+        if llm.engine.config.speculative is not None:
+            _print_speculation(llm.engine.config.speculative, llm.engine.stats())
     return 0
 
 
@@ -162,6 +206,15 @@ def _print_metrics(out) -> None:
         f"prompt: {m.prompt_tokens} tokens at {m.prefill_tokens_per_second:.1f} tokens/s | "
         f"decode: {m.generated_tokens} tokens at {m.decode_tokens_per_second:.1f} tokens/s | "
         f"time to first token: {m.prefill_seconds * 1000:.0f} ms | finish: {out.finish_reason}",
+        file=sys.stderr,
+    )
+
+
+def _print_speculation(config, stats) -> None:
+    print(
+        f"speculative ({config.method}): {stats.spec_proposed_tokens} tokens proposed, {stats.spec_accepted_tokens}"
+        f" accepted ({stats.spec_acceptance_rate:.1%}) | {stats.spec_verifications} verifications, mean accepted"
+        f" length {stats.spec_mean_accepted_length:.2f} tokens",
         file=sys.stderr,
     )
 
@@ -652,6 +705,9 @@ def cmd_serve(args) -> int:
                          parse_keep_alive(args.keep_alive, "--keep-alive"))
     engine_options = _given(args, "max_num_seqs", "max_num_batched_tokens", "max_model_len", "kv_cache_memory",
                             "max_loras", "max_lora_rank")
+    speculative = _speculative(args)
+    if speculative is not None:
+        engine_options["speculative"] = speculative
     lora_adapters = _lora_flags(args.lora)
     # bad engine settings fail now, not after the port is bound
     catalog = ModelCatalog(policy.memory_share, args.dtype, args.kernels, args.threads, engine_options)
@@ -898,15 +954,18 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="generate an answer to one prompt, streamed to stdout")
     p.add_argument("args", nargs="*", metavar="[MODEL] PROMPT", help=f"model (default {DEFAULT_MODEL}) and prompt (or stdin)")
     p.add_argument("--raw", action="store_true", help="plain completion, no chat template")
-    p.add_argument("--verbose", "-v", action="store_true", help="print prompt and decode tokens/s, time to first token")
+    p.add_argument("--verbose", "-v", action="store_true", help="print prompt and decode tokens/s, time to first token"
+                   " (with --speculative: tokens proposed and accepted)")
     p.add_argument("--lora", default=None, metavar="PATH", help="answer with this LoRA adapter on the model (a PEFT"
                    " directory or a GGUF adapter)")
     _add_sampling_args(p)
+    _add_speculative_args(p)
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("chat", help="interactive multi-turn chat")
     p.add_argument("model", nargs="?", default=None)
     _add_sampling_args(p)
+    _add_speculative_args(p)
     p.set_defaults(func=cmd_chat)
 
     p = sub.add_parser("embed", help="embed texts (arguments, or one a line on stdin) with an embedding model; JSON out")
@@ -1024,6 +1083,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="activations (bfloat16: reference kernels)")
     p.add_argument("--kernels", default="auto", choices=["auto", "native", "reference"],
                    help="native CPU kernels, or the plain PyTorch reference (default: native when built)")
+    _add_speculative_args(p, served=True)
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=cmd_serve)
 

@@ -10,7 +10,7 @@ from typing import Iterator, Mapping, Sequence
 import torch
 
 from churon import kernels as native_kernels
-from churon.config import POOLING_MODES, EncoderConfig, EngineConfig, PoolingConfig, default_threads
+from churon.config import POOLING_MODES, EncoderConfig, EngineConfig, ModelConfig, PoolingConfig, default_threads
 from churon.engine import CompletionOutput, Delta, LLMEngine
 from churon.engine.embedding import EmbeddingEngine
 from churon.errors import ContextLengthError, TaskError
@@ -22,6 +22,12 @@ from churon.tokenizer import ChatTemplateError, ChatTemplateLimitError
 Prompt = str | Sequence[int]
 Message = dict[str, str]
 TASKS = ("auto", "generate", "embed")
+
+
+def check_draft_model(name: str, config: ModelConfig | EncoderConfig) -> None:
+    """A speculative draft model is a decoder: an encoder has no next token to propose."""
+    if isinstance(config, EncoderConfig):
+        raise TaskError(f"draft model {name}: an encoder (an embedding model) cannot propose tokens")
 
 
 class LLM:
@@ -37,6 +43,10 @@ class LLM:
     threads: CPU threads (the native kernels' pool, or torch's on the reference path); default: physical cores.
     lora_adapters: {"name": path} LoRA adapters (PEFT directories or GGUF adapters) loaded at start; a request
     picks one with SamplingParams(lora="name"). load_lora / unload_lora change them later.
+    speculative (an engine option, config.SpeculativeConfig's fields): speculative decoding, the same output in
+    fewer steps. {"method": "ngram", "num_tokens": 4} proposes what followed the text's latest earlier occurrence
+    of its last few tokens (prompt lookup); {"method": "draft", "model": PATH, "num_tokens": 4} has a smaller
+    model with the same vocabulary propose, loaded as this one (the same kernels, dtype and threads).
     """
 
     def __init__(
@@ -83,9 +93,11 @@ class LLM:
         if self.task == "embed":
             if lora_adapters:
                 raise TaskError(f"{self.name} is loaded as an embedding model; LoRA adapters are for generating text")
+            if engine_config.speculative is not None:
+                raise TaskError(f"{self.name} is loaded as an embedding model; speculative decoding is for generating text")
             self.embedder = self._embedding_engine(pooling, engine_config)
             return
-        self.engine = LLMEngine(self.model, self.tokenizer, engine_config)
+        self.engine = self._generation_engine(engine_config)
         for name, path in (lora_adapters or {}).items():
             self.engine.add_lora(name, path)
         try:  # a template that cannot render this within its limits would cost every chat request as much
@@ -104,6 +116,16 @@ class LLM:
         if task == "generate" and pooling is not None:
             raise ValueError(f"pooling={pooling!r} is for task='embed'; {self.name} is loaded to generate text")
         return task
+
+    def _generation_engine(self, engine_config: EngineConfig) -> LLMEngine:
+        speculative = engine_config.speculative
+        if speculative is None or speculative.method != "draft":
+            return LLMEngine(self.model, self.tokenizer, engine_config)
+        # the target's backend by name, not "auto" again: the draft runs on the very kernels the target runs on
+        draft, draft_tokenizer, _ = load_model(speculative.model, dtype=self.model.backend.dtype,
+                                               kernels=self.model.backend.name)
+        check_draft_model(speculative.model, draft.config)
+        return LLMEngine(self.model, self.tokenizer, engine_config, draft_model=draft, draft_tokenizer=draft_tokenizer)
 
     def _embedding_engine(self, mode: str | None, engine_config: EngineConfig) -> EmbeddingEngine:
         declared = self.source.pooling

@@ -6,7 +6,8 @@
     find()    the name a request means: one of those, a registry alias ("smollm2"), or either without ":latest"
     plan()    the model's header read (never its weights): its task, and what it will hold (plan_share:
               weights as the file's size, activations, a KV cache from the server's per-model share); a created
-              model's is its base's (and its ADAPTER's), with its num_ctx as max_model_len
+              model's is its base's (and its ADAPTER's), with its num_ctx as max_model_len; a text model's weights
+              count the speculative draft model's file, which loads with each of them
     load()    the LLM, with that KV cache and a created model's TEMPLATE and ADAPTER (loaded as
               model_store.ADAPTER_LORA, which ServerState has every request to it run with; its SYSTEM, MESSAGEs
               and PARAMETERs are for the routes to apply)
@@ -23,7 +24,7 @@ from typing import Any
 
 from churon.config import EncoderConfig, EngineConfig
 from churon.engine.memory import plan_share
-from churon.llm import LLM
+from churon.llm import LLM, check_draft_model
 from churon.loader import DTYPES, open_model
 from churon.model_store import CreatedModel, get_model, list_models, resolve
 from churon.registry import REGISTRY, cached_models, registry_entry, resolve_model
@@ -49,9 +50,15 @@ class ModelCatalog:
     kernels: str = "auto"
     threads: int | None = None
     engine_options: dict[str, Any] = field(default_factory=dict)  # EngineConfig fields for every model
+    draft_bytes: int = field(init=False, default=0)  # the speculative draft model's file, held beside each text model
 
     def __post_init__(self):
-        EngineConfig(**self.engine_options)  # bad settings fail now, not at a request's load
+        speculative = EngineConfig(**self.engine_options).speculative  # bad settings fail now, not at a request's load
+        if speculative is not None and speculative.method == "draft":
+            # opened (pulled) now: a draft that cannot load would fail every text model's load
+            draft = open_model(speculative.model)
+            check_draft_model(speculative.model, draft.config)
+            self.draft_bytes = _file_bytes(draft.path)
 
     def names(self) -> list[str]:
         return list(self._cached()) + [m.name for m in list_models()]
@@ -95,7 +102,7 @@ class ModelCatalog:
         engine = EngineConfig(**options)
         context = min(model.config.context_length, engine.max_model_len or 1 << 62)
         kv_dtype = engine.kv_torch_dtype(DTYPES[self.dtype])  # both backends' default: the activations' dtype
-        plan = plan_share(model.config, weights, engine, context, kv_dtype, self.memory_share)
+        plan = plan_share(model.config, weights + self.draft_bytes, engine, context, kv_dtype, self.memory_share)
         options["kv_cache_memory"] = plan.kv_bytes
         return LoadPlan(name, model.path, task, created, options, plan.total_bytes)
 

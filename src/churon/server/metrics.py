@@ -1,8 +1,9 @@
 """The server's Prometheus metrics, written in the text exposition format by hand.
 
 Counters and histograms the server itself observes (requests by status code, tokens, time
-to first token, inter-token latency, embedding requests and their tokens), plus gauges read from the engine at scrape time
-(running and waiting requests, KV-cache usage, prefix-cache hit rate, preemptions).
+to first token, inter-token latency, embedding requests and their tokens), plus what is read from the engine at scrape time
+(running and waiting requests, KV-cache usage, prefix-cache hit rate, preemptions; speculative decoding's proposed
+and accepted tokens, verifications, acceptance rate and mean accepted length, all 0 without speculation).
 Format: https://prometheus.io/docs/instrumenting/exposition_formats/
 """
 
@@ -86,6 +87,17 @@ class ServerMetrics:
                    [f"churon_prefix_cache_hit_rate {_number(s.prefix_cache_hit_rate)}"])
             family("churon_num_preemptions_total", "counter", "Requests preempted to free KV-cache blocks.",
                    [f"churon_num_preemptions_total {s.preemptions}"])
+            family("churon_spec_proposed_tokens_total", "counter", "Tokens speculative decoding proposed.",
+                   [f"churon_spec_proposed_tokens_total {s.spec_proposed_tokens}"])
+            family("churon_spec_accepted_tokens_total", "counter", "Proposed tokens the model accepted.",
+                   [f"churon_spec_accepted_tokens_total {s.spec_accepted_tokens}"])
+            family("churon_spec_verifications_total", "counter", "Steps of a request that scored proposed tokens.",
+                   [f"churon_spec_verifications_total {s.spec_verifications}"])
+            family("churon_spec_acceptance_rate", "gauge", "Accepted over proposed tokens since start (0..1).",
+                   [f"churon_spec_acceptance_rate {_number(s.spec_acceptance_rate)}"])
+            family("churon_spec_mean_accepted_length", "gauge",
+                   "Tokens a verification produced on average, its accepted proposals and the model's own (1: no gain).",
+                   [f"churon_spec_mean_accepted_length {_number(s.spec_mean_accepted_length)}"])
         return "\n".join(lines) + "\n"
 
 
