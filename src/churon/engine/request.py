@@ -34,8 +34,9 @@ class Request:
         self.detokenizer = Detokenizer(tokenizer, seq.prompt_token_ids, params.skip_special_tokens, params.stop)
         self.arrival = time.perf_counter()
         self.first_token_time: float | None = None
-        # the logprobs of the tokens sampled and not yet output, when params.logprobs is set (None entries otherwise)
-        self._logprobs: deque[TokenLogprob | None] = deque()
+        # per token drawn and not yet output: its logprob (when params.logprobs is set) and whether it completed the
+        # structured-output value (a verification draws several tokens before the first is output)
+        self._drawn: deque[tuple[TokenLogprob | None, bool]] = deque()
         self.output = CompletionOutput(
             "", [], None, seq.prompt_token_ids, Metrics(prompt_tokens=len(seq.prompt_token_ids)), seq.seq_id
         )
@@ -69,11 +70,12 @@ class Request:
         allowed = self.grammar.allowed_tokens() if self.grammar is not None else None
         token = self.sampler(logits, allowed)
         num_top = self.seq.params.logprobs
-        self._logprobs.append(None if num_top is None else token_logprobs(logits[None, : self.vocab_size], [token], num_top)[0])
+        logprob = None if num_top is None else token_logprobs(logits[None, : self.vocab_size], [token], num_top)[0]
         if token not in self.seq.stop_token_ids:
             self.sampler.accept(token)
             if self.grammar is not None:
                 self.grammar.accept(token)
+        self._drawn.append((logprob, self.grammar is not None and self.grammar.is_terminated))
         return token
 
     def verify(self, logits: torch.Tensor, draft: list[int]) -> list[int]:
@@ -106,7 +108,7 @@ class Request:
             self.first_token_time = now
             out.metrics.prefill_seconds = now - self.arrival
             out.metrics.cached_prompt_tokens = seq.num_cached_tokens
-        logprob = self._logprobs.popleft()
+        logprob, completes_value = self._drawn.popleft()
         out.token_ids.append(token)
         if out.logprobs is not None:
             out.logprobs.append(logprob)
@@ -118,7 +120,7 @@ class Request:
             text = self.detokenizer.finish()
         else:
             text = self.detokenizer.update(token)
-            if self.detokenizer.stopped or (self.grammar is not None and self.grammar.is_terminated):
+            if self.detokenizer.stopped or completes_value:
                 out.finish_reason = "stop"
             elif seq.finish_reason == "length" and len(out.token_ids) >= seq.max_tokens:  # at the last token a step drew
                 out.finish_reason = "length"
