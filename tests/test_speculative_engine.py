@@ -518,7 +518,9 @@ def test_the_adaptive_length_stops_proposing_what_is_never_accepted(target, draf
     assert 0 < counts[True] < 0.25 * len(expected.token_ids), counts
 
 
-def test_an_adaptive_draft_that_is_never_accepted_is_hardly_run(target, drafts):
+def test_an_adaptive_draft_as_big_as_the_model_is_never_run(target, drafts):
+    # the draft reads as many bytes a token as the model: (k + 1) / (1 + cost * k) <= 1, no proposal can pay, not
+    # even all accepted; adaptive, it stays off (no probes) and the output is still the same
     rng = random.Random(4)
     ps = [repeating_prompt(rng, 30), [rng.randrange(3, 399) for _ in range(20)]]
     params = SamplingParams(max_tokens=100, **GREEDY)
@@ -527,7 +529,7 @@ def test_an_adaptive_draft_that_is_never_accepted_is_hardly_run(target, drafts):
     assert_same_outputs(drive(eng, ps, [params] * 2)[0], expected)
     s = eng.stats()
     generated = sum(len(o.token_ids) for o in expected)
-    assert 0 < s.spec_proposed_tokens < 0.5 * generated, s
+    assert s.spec_proposed_tokens == 0 and generated > 0, s
     assert_nothing_held(eng)
 
 
