@@ -26,19 +26,9 @@ from churon import LLM, SamplingParams
 from churon.config import EngineConfig
 from churon.engine import LLMEngine
 from churon.loader import load_model
-from tiny_models import make_hf_model, make_peft_adapter
 from churon.tokenizer import from_hf_dir
-
-PERSON = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 8},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        "color": {"enum": ["red", "green", "blue"]},
-    },
-    "required": ["name", "age", "color"],
-    "additionalProperties": False,
-}
+from test_structured_output import PERSON
+from tiny_models import make_hf_model, make_peft_adapter
 
 # adaptive False: every decoding step proposes num_tokens where the proposer has them
 NGRAM = {"method": "ngram", "num_tokens": 4, "adaptive": False}  # n-grams of 2..4 tokens
