@@ -119,7 +119,11 @@ def test_greedy_alone_equals_no_speculation(llm, draft, draft_path, spec_name):
     got = [eng.generate([p], [sp])[0] for p, sp in zip(ps, params)]
     assert_same_outputs(got, expected)
     s = eng.stats()
-    assert 0 < s.spec_accepted_tokens < s.spec_proposed_tokens, s
+    if spec_name == "draft-adaptive":
+        # the Q4_0 draft reads 0.93x the model's bytes a token: no proposal can pay, so the adaptive length never makes one
+        assert s.spec_proposed_tokens == 0, s
+    else:
+        assert 0 < s.spec_accepted_tokens < s.spec_proposed_tokens, s
     assert_nothing_held(eng)
 
 
