@@ -572,6 +572,50 @@ def test_attention_decode_int8_cache(isa, threads, head_dim):
                              q.data_ptr(), 3, 6, 2, head_dim, 16, scale, table.shape[1], 0, "int8")
 
 
+@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16", "float16", "int8"])
+@pytest.mark.parametrize("head_dim", [64, 40])  # the vector path and the generic one
+def test_attention_decode_rows_of_one_sequence(isa, threads, kv_dtype, head_dim):
+    # The rows of one sequence in a step (a prefill chunk, a speculative verification) read the same
+    # block table and are computed together a group at a time: each must still equal exact attention
+    # and be bitwise the row computed alone, whatever its group (runs longer than a group, lengths out
+    # of order, a length-0 row, another sequence in between, one sharing only a prefix of the blocks).
+    k, v, table, _ = paged_cache([300], 2, head_dim, 16)
+    _, _, other, _ = paged_cache([300], 2, head_dim, 16, seed=1)
+    shared = table.clone()
+    shared[0, -1] = other[0, 0]  # the same blocks but the last (a prefix-cache hit)
+    lens = list(range(281, 300)) + [64, 0, 65, 300, 129, 299] + [200, 201] + [290, 291] + [5, 6]
+    tables = [table] * 25 + [shared] * 2 + [table] * 2 + [shared] * 2
+    tables[19 + 3] = other  # the 300 of the run is another sequence
+    table = torch.cat(tables).contiguous()
+    n = len(lens)
+    lens = torch.tensor(lens, dtype=torch.int32)
+    q = torch.randn(n, 6, head_dim) * 0.5
+    scale = head_dim**-0.5
+    scales = (0, 0)
+    if kv_dtype == "int8":
+        (k, ks), (v, vs) = quantize_int8(k), quantize_int8(v)
+        scales = (ks.data_ptr(), vs.data_ptr())
+        kd, vd = k.double() * ks.double().unsqueeze(-1), v.double() * vs.double().unsqueeze(-1)
+    else:
+        k, v = k.to(getattr(torch, kv_dtype)), v.to(getattr(torch, kv_dtype))
+        kd, vd = k.double(), v.double()
+
+    def run(rows):
+        out = torch.full((len(rows), 6, head_dim), float("nan"))
+        qr, tr, lr = q[rows].contiguous(), table[rows].contiguous(), lens[rows].contiguous()
+        cpu.attention_decode(qr.data_ptr(), k.data_ptr(), v.data_ptr(), tr.data_ptr(), lr.data_ptr(), out.data_ptr(),
+                             len(rows), 6, 2, head_dim, 16, scale, table.shape[1], 0, kv_dtype, *scales)
+        return out
+
+    out = run(list(range(n)))
+    want = truth.attention_decode(q.double(), kd, vd, table, lens, scale)
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+    threads(1)
+    for r in range(n):
+        assert torch.equal(run([r]), out[r : r + 1]), f"row {r} alone"
+    assert torch.equal(run(list(range(n))[::-1]), out.flip(0))  # other groups, the same rows
+
+
 def test_attention_strided_q(isa):
     # q read straight out of a fused qkv row (q_stride = (9 + 3 + 3) * 64)
     k, v, table, lens = paged_cache([40, 3], 3, 64, 16)

@@ -87,10 +87,11 @@ struct ActQ {
 // kKvI8: int8 values with one float32 scale per (slot, kv head): x = q * scale, scale = amax / 127
 enum KvDtype : int { kKvF32 = 0, kKvF16 = 1, kKvBF16 = 2, kKvI8 = 3 };
 
-// attn_partial's tasks: (query token, partition) pairs, taken kAttnQueryBlock query tokens at a
-// time, partition-major within the block; a driver runs ceil(num_seqs / kAttnQueryBlock) *
-// kAttnQueryBlock * max_parts of them
-constexpr int64_t kAttnQueryBlock = 16;
+// attn_partial's tasks: (group, partition) pairs, group-major. A group is up to kAttnGroupRows
+// consecutive query rows that read the same cache (the tokens of one sequence in a step: a prefill
+// chunk, a speculative verification): a task reads a partition once for all of its rows. Which
+// group a row is in changes nothing it computes. A driver runs num_groups * max_parts tasks.
+constexpr int64_t kAttnGroupRows = 16;
 
 struct AttnArgs {
   const float* q;            // [num_seqs, q_stride] : head h at q + seq * q_stride + h * head_dim
@@ -107,6 +108,9 @@ struct AttnArgs {
   int64_t part_tokens;       // tokens per partition (fixed, independent of thread count)
   int64_t max_parts;         // partitions of the longest sequence
   float* partial;            // [num_seqs, num_heads, max_parts, head_dim + 2]: o[head_dim], max, sum
+  const int64_t* groups;     // [num_groups + 1]: group g is rows [groups[g], groups[g + 1])
+  const int64_t* group_table;  // [num_groups]: the row of g whose block table covers every row of g (its longest)
+  int64_t num_groups;
 };
 
 // Encoder attention over sequences packed back to back (attention_packed): every query row of a
@@ -220,8 +224,10 @@ namespace avx2 { const KernelTable* table(); }
 namespace avx512 { const KernelTable* table(); }
 #endif
 
+// a group's scores (kAttnGroupRows rows of num_heads heads), one KV head's partition of K and V as
+// float32, and a cache row's conversion
 static inline int64_t attn_scratch_floats(const AttnArgs& a) {
-  return a.num_heads * (a.part_tokens + 2 * a.head_dim + 128) + 2 * a.head_dim + 64;
+  return kAttnGroupRows * a.num_heads * a.part_tokens + 2 * a.part_tokens * a.head_dim + 2 * a.head_dim + 64;
 }
 
 // ---------------------------------------------------------------------------

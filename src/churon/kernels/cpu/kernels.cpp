@@ -19,6 +19,7 @@
 // batched with (the batch-invariance requirement).
 
 #include <cmath>
+#include <type_traits>
 
 #include "common.h"
 #include "simd.h"
@@ -656,15 +657,12 @@ inline float* partial_of(const AttnArgs& a, int64_t seq, int64_t head, int64_t p
   return a.partial + ((seq * a.num_heads + head) * a.max_parts + part) * (a.head_dim + 2);
 }
 
-// softmax statistics of scores[h][0..n) for every head; scores become exp(s - max)
-inline void part_softmax(const AttnArgs& a, int64_t seq, int64_t part, float* scores, int64_t n) {
-  for (int64_t h = 0; h < a.num_heads; ++h) {
-    float* sc = scores + h * a.part_tokens;
-    const float mx = row_max(sc, n);
-    float* po = partial_of(a, seq, h, part);
-    po[a.head_dim] = mx;
-    po[a.head_dim + 1] = exp_sub_sum(sc, sc, n, mx);
-  }
+// softmax statistics of one head's scores sc[0..n) into its partial; sc becomes exp(s - max)
+inline void head_softmax(const AttnArgs& a, int64_t seq, int64_t head, int64_t part, float* sc, int64_t n) {
+  const float mx = row_max(sc, n);
+  float* po = partial_of(a, seq, head, part);
+  po[a.head_dim] = mx;
+  po[a.head_dim + 1] = exp_sub_sum(sc, sc, n, mx);
 }
 
 #if defined(K_AVX512)
@@ -711,7 +709,7 @@ void attn_part_generic(const AttnArgs& a, int64_t seq, int64_t part, float* scor
       }
     }
   }
-  part_softmax(a, seq, part, scores, n);
+  for (int64_t h = 0; h < a.num_heads; ++h) head_softmax(a, seq, h, part, scores + h * P, n);
   for (int64_t h = 0; h < a.num_heads; ++h) {
     const int64_t kvh = h / G;
     for (int64_t i = 0; i < hd; ++i) acc[i] = 0.0f;
@@ -722,21 +720,16 @@ void attn_part_generic(const AttnArgs& a, int64_t seq, int64_t part, float* scor
 }
 
 void attn_partial(const AttnArgs& a, int64_t t0, int64_t t1, float* scratch) {
-  float* scores = scratch;                             // [num_heads][part_tokens]
-  float* acc = scratch + a.num_heads * a.part_tokens;  // [num_heads][2][head_dim]
-  // Tasks go kAttnQueryBlock query tokens at a time, partition-major within the block: the
-  // tokens of a prefill chunk read the same partitions of the same cache, so a partition is
-  // loaded once (into L1 / L2) for the whole block instead of once per token (a 2048-token
-  // prompt's cache is larger than L2). The order changes nothing of what a task computes.
-  const int64_t block_tasks = kAttnQueryBlock * a.max_parts;
   for (int64_t task = t0; task < t1; ++task) {
-    const int64_t first = task / block_tasks * kAttnQueryBlock, r = task % block_tasks;
-    const int64_t part = r / kAttnQueryBlock, seq = first + r % kAttnQueryBlock;
-    if (seq >= a.num_seqs || part * a.part_tokens >= a.seq_lens[seq]) continue;  // nothing to do
+    const int64_t g = task / a.max_parts, part = task % a.max_parts;
+    if (part * a.part_tokens >= a.seq_lens[a.group_table[g]]) continue;  // past the group's longest row
 #if defined(K_AVX512)
-    if (attn_part_avx512(a, seq, part, scores, acc)) continue;
+    if (attn_group_avx512(a, g, part, scratch)) continue;
 #endif
-    attn_part_generic(a, seq, part, scores, acc);
+    float* scores = scratch;                             // [num_heads][part_tokens]
+    float* acc = scratch + a.num_heads * a.part_tokens;  // [2][head_dim]
+    for (int64_t seq = a.groups[g]; seq < a.groups[g + 1]; ++seq)
+      if (part * a.part_tokens < a.seq_lens[seq]) attn_part_generic(a, seq, part, scores, acc);
   }
 }
 

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstring>
 #include <stdexcept>
+#include <vector>
 
 #include "common.h"
 #include "driver.h"
@@ -62,6 +63,7 @@ constexpr int64_t kAttnPartTokens = 64;
 
 // attention partials and per-thread scratch (calls are serialized by the GIL)
 Buffer g_attn_buf;
+std::vector<int64_t> g_attn_groups, g_attn_group_table;  // attention_decode's row groups (AttnArgs)
 Buffer g_packed_buf;  // attention_packed: its blocks, then per-thread scratch
 
 constexpr int64_t kGeluChunk = 1 << 13;  // values per parallel GELU item
@@ -223,6 +225,28 @@ void attention_decode(uintptr_t qp, uintptr_t kp, uintptr_t vp, uintptr_t btp, u
     max_len = std::max(max_len, len);
   }
   a.max_parts = std::max<int64_t>(1, (max_len + a.part_tokens - 1) / a.part_tokens);
+  // groups: runs of consecutive rows whose block tables agree over the blocks each row reads (the
+  // rows of one sequence), at most kAttnGroupRows a group. Every row agrees with its group's longest.
+  g_attn_groups.clear();
+  g_attn_group_table.clear();
+  g_attn_groups.push_back(0);
+  g_attn_group_table.push_back(0);
+  for (int64_t s = 1; s < num_seqs; ++s) {
+    const int64_t first = g_attn_groups.back(), longest = g_attn_group_table.back();
+    const int64_t len = std::max(a.seq_lens[s], a.seq_lens[longest]);
+    const size_t blocks = size_t((len + block_size - 1) / block_size);
+    if (s - first < kAttnGroupRows &&
+        !std::memcmp(a.block_table + s * max_blocks, a.block_table + longest * max_blocks, blocks * 4)) {
+      if (a.seq_lens[s] > a.seq_lens[longest]) g_attn_group_table.back() = s;
+      continue;
+    }
+    g_attn_groups.push_back(s);
+    g_attn_group_table.push_back(s);
+  }
+  a.num_groups = int64_t(g_attn_group_table.size());
+  g_attn_groups.push_back(num_seqs);
+  a.groups = g_attn_groups.data();
+  a.group_table = g_attn_group_table.data();
   const int64_t partial_floats = num_seqs * num_heads * a.max_parts * (head_dim + 2);
   const int64_t per_thread = (attn_scratch_floats(a) + 15) / 16 * 16;
   const int nthreads = get_num_threads();
@@ -230,7 +254,7 @@ void attention_decode(uintptr_t qp, uintptr_t kp, uintptr_t vp, uintptr_t btp, u
   a.partial = reinterpret_cast<float*>(g_attn_buf.p);
   float* scratch = a.partial + (partial_floats + 15) / 16 * 16;
   const KernelTable* k = kt();
-  const int64_t ntasks = (num_seqs + kAttnQueryBlock - 1) / kAttnQueryBlock * kAttnQueryBlock * a.max_parts;
+  const int64_t ntasks = a.num_groups * a.max_parts;
   parallel_for(ntasks, 1, [&](int64_t b, int64_t e, int tid) { k->attn_partial(a, b, e, scratch + tid * per_thread); });
   const int64_t nout = num_seqs * num_heads;
   if (nout * head_dim >= kParallelElems)
