@@ -524,7 +524,7 @@ def main() -> None:
                         help="the draft GGUF (default: smollm2-135m as Q4_0, written once into churon's cache)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=256)
-    parser.add_argument("--num-tokens", type=int, default=4, help="proposed tokens at most per step, every engine")
+    parser.add_argument("--num-tokens", type=int, default=8, help="proposed tokens at most per step, every engine")
     parser.add_argument("--prompts", type=int, default=8, help="the first N prompts of each workload")
     parser.add_argument("--batch-sizes", type=comma_list(int), default=[1, 8])
     parser.add_argument("--workloads", type=comma_list(str), default=list(WORKLOADS))

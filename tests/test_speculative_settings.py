@@ -47,7 +47,7 @@ def test_flags_make_the_speculative_config(command):
     parse = build_parser().parse_args
     args = COMMANDS[command]
     assert _speculative(parse(args)) is None
-    assert _speculative(parse([*args, "--speculative", "ngram"])) == SpeculativeConfig("ngram", num_tokens=4)
+    assert _speculative(parse([*args, "--speculative", "ngram"])) == SpeculativeConfig("ngram")  # the default K
     assert _speculative(parse([*args, "--speculative", "ngram", "--num-speculative-tokens", "7"])) == \
         SpeculativeConfig("ngram", num_tokens=7)
     # anything but the word ngram is a draft model (a path, a registry name)

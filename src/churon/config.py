@@ -246,7 +246,9 @@ class SpeculativeConfig:
     """
 
     method: str = "ngram"
-    num_tokens: int = 4
+    # the most proposed tokens a step: 8 rather than 4 since attention reads a verification's rows together (SmolLM2,
+    # input-grounded prompts: 1.98x over no speculation against 1.79x; chat unchanged, the adaptive length keeps it short)
+    num_tokens: int = 8
     ngram_max: int = 4
     ngram_min: int = 2
     model: str | None = None
