@@ -15,6 +15,12 @@ Results are the best of several passes (other processes may share the CPU).
     python benchmarks/bench_kernels.py --types Q4_1,Q8_0 --ms 1 --threads 1,2
     python benchmarks/bench_kernels.py --json results.json
     python benchmarks/bench_kernels.py --decode ~/.cache/churon/models/SmolLM2-135M-Instruct.Q4_1.gguf --ctx 100,1000
+    python benchmarks/bench_kernels.py --attention-rows 1,5,9,16 --ctx 800 --kv-dtype float32
+
+--attention-rows: attention_decode for R query rows of one sequence at the end of a context (a speculative
+verification, a prefill chunk: one block table, read once for the group) against the same R rows as R
+sequences holding copies of those blocks (R tables: each row reads its own), SmolLM2's heads (9 q, 3 kv, 64
+dims), the caches of 30 layers cycled through so K and V come from memory, as in a decode step.
 """
 
 from __future__ import annotations
@@ -201,6 +207,39 @@ def bench_decode(cpu, path: str, ctx: int, threads: list[int], tokens: int, torc
     return out
 
 
+def bench_attention_rows(cpu, rows: list[int], ctx: int, kv_dtype: str, passes: int) -> list[dict]:
+    """Seconds per layer of attention for R rows of one sequence vs R sequences with the same blocks copied."""
+    heads, kv_heads, head_dim, block, layers = 9, 3, 64, 16, 30
+    g = torch.Generator().manual_seed(0)
+    out = []
+    print(f"attention_decode, context {ctx}, {kv_dtype} cache, {layers} layers' caches cycled; best of {passes}")
+    print(f"{'rows':>5} {'one sequence':>14} {'R sequences':>14} {'ratio':>6}")
+    for r in rows:
+        nb = (ctx + r + block - 1) // block
+        # R copies of the sequence's blocks, per layer: copy c of block i is block c * nb + i
+        shape = (layers, r * nb, block, kv_heads, head_dim)
+        k = torch.randn(*shape, generator=g).to(getattr(torch, kv_dtype))
+        v = torch.randn(*shape, generator=g).to(getattr(torch, kv_dtype))
+        lens = torch.arange(ctx + 1, ctx + r + 1, dtype=torch.int32)
+        q = torch.randn(r, heads, head_dim, generator=g)
+        res = torch.empty_like(q)
+        one = torch.arange(nb, dtype=torch.int32).repeat(r, 1).contiguous()
+        copies = (torch.arange(nb, dtype=torch.int32) + nb * torch.arange(r, dtype=torch.int32)[:, None]).contiguous()
+        times = {}
+        for name, table in (("one", one), ("copies", copies)):
+            def step():
+                for layer in range(layers):
+                    cpu.attention_decode(q.data_ptr(), k[layer].data_ptr(), v[layer].data_ptr(), table.data_ptr(),
+                                         lens.data_ptr(), res.data_ptr(), r, heads, kv_heads, head_dim, block,
+                                         head_dim**-0.5, nb, 0, kv_dtype)
+            times[name] = best_time(step, passes) / layers
+        print(f"{r:>5} {times['one'] * 1e6:11.1f} us {times['copies'] * 1e6:11.1f} us {times['copies'] / times['one']:5.2f}x",
+              flush=True)
+        out.append({"rows": r, "ctx": ctx, "kv_dtype": kv_dtype, "one_sequence_s": times["one"],
+                    "r_sequences_s": times["copies"]})
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--types", default="Q4_0,Q4_1,Q8_0,Q4_K,Q5_K,Q6_K,F16")
@@ -221,6 +260,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=100, help="--decode: steps timed")
     ap.add_argument("--torch-ops", action="store_true", help="--decode: add torch softmax+argmax per step")
     ap.add_argument("--kv-dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    ap.add_argument("--attention-rows", default=None, metavar="R,R",
+                    help="attention for R rows of one sequence vs R sequences, at context --ctx")
     args = ap.parse_args()
 
     if not kernels.native_available():
@@ -230,6 +271,14 @@ def main() -> None:
         torch.set_num_threads(args.torch_threads)
     if args.isa:
         cpu.set_isa(args.isa)
+    if args.attention_rows:
+        cpu.set_num_threads(int(args.threads.split(",")[0]))
+        runs = [r for ctx in args.ctx.split(",") for r in bench_attention_rows(
+            cpu, [int(v) for v in args.attention_rows.split(",")], int(ctx), args.kv_dtype, args.passes)]
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"isa": cpu.isa(), "attention_rows": runs}, f, indent=1)
+        return
     if args.decode:
         runs = []
         for ctx in [int(v) for v in args.ctx.split(",")]:

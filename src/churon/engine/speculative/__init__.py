@@ -27,8 +27,9 @@ if TYPE_CHECKING:
     from churon.engine.speculative.draft import DraftProposer
 
 # A step's cost is about T0 + rows * r: the weights are read once per pass (T0), each row adds its arithmetic, its lm_head
-# product and its attention (r). This is r / T0, measured with SmolLM2 on 2 threads of a Zen 4 EPYC: 1 row at 800 tokens
-# of context 8.1 ms, 5 rows 13.9 ms (0.22); a batch of 8 decoding requests 15.8 ms a step, 1 alone 6.5 ms (0.26)
+# product and its attention (r). This is r / T0, measured with SmolLM2 on 2 threads of a Zen 4 EPYC: 1 row at ~700 tokens
+# of context 7.6 ms, 9 rows of one sequence 18.3 ms (0.22); a batch of 8 decoding requests 15.8 ms a step, 1 alone 6.5 ms
+# (0.26)
 ROW_COST = 0.2
 
 
