@@ -352,6 +352,27 @@ def child_argv(args, row: str, workload_path: str, result_path: str) -> list[str
     return argv
 
 
+def add_row_process_args(parser: argparse.ArgumentParser, rows) -> None:
+    """--only ROW with its hidden --workload / --result files: how the parent runs each row in a process of its own."""
+    parser.add_argument("--only", default=None, choices=rows, help="run one row in this process (the parent runs each so)")
+    parser.add_argument("--workload", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--result", default=None, help=argparse.SUPPRESS)
+
+
+def settle_model_or_run_row(args, run_row) -> bool:
+    """--model's default (the registry's smollm2-135m); in a row's own process (--only) run it, write its result and
+    say so (True: the caller is done)."""
+    if args.model is None:
+        from churon.registry import resolve_model
+
+        args.model = str(resolve_model("smollm2-135m"))
+    if not args.only:
+        return False
+    workload = json.loads(Path(args.workload).read_text())
+    Path(args.result).write_text(json.dumps(run_row(args.only, args, workload)))
+    return True
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n", 2)[2])
@@ -368,18 +389,9 @@ def main() -> None:
     parser.add_argument("--no-llama-server", action="store_true")
     parser.add_argument("--rows", default=",".join(ROWS), help=f"the rows to run, of {','.join(ROWS)}")
     parser.add_argument("--json", type=Path, default=None, help="write every result here")
-    parser.add_argument("--only", default=None, choices=ROWS, help="run one row in this process (the parent runs each so)")
-    parser.add_argument("--workload", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--result", default=None, help=argparse.SUPPRESS)
+    add_row_process_args(parser, ROWS)
     args = parser.parse_args()
-    if args.model is None:
-        from churon.registry import resolve_model
-
-        args.model = str(resolve_model("smollm2-135m"))
-
-    if args.only:
-        workload = json.loads(Path(args.workload).read_text())
-        Path(args.result).write_text(json.dumps(run_row(args.only, args, workload)))
+    if settle_model_or_run_row(args, run_row):
         return
 
     rows = [r for r in args.rows.split(",") if r]

@@ -68,7 +68,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from bench_batching import cpu_seconds, cpu_share
-from bench_lora import first_equal, free_port, process_cpu_seconds, wait_ready
+from bench_lora import (add_row_process_args, first_equal, free_port, process_cpu_seconds,
+                        settle_model_or_run_row, wait_ready)
 
 REPO = Path(__file__).resolve().parents[1]
 WORKLOAD_COMMIT = "4f5c0bc98079787b9149f78058167b81f1337ef4"  # the inputs' text: fixed, so every run sees the same
@@ -534,18 +535,9 @@ def main() -> None:
                         help="where llama-server, llama-lookup and llama-speculative are")
     parser.add_argument("--llama-ngram", default=DEFAULT_LLAMA_NGRAM, help="llama-ngram's llama-server flags")
     parser.add_argument("--json", type=Path, default=None, help="write every result here")
-    parser.add_argument("--only", default=None, choices=ROWS, help="run one row in this process (the parent runs each so)")
-    parser.add_argument("--workload", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--result", default=None, help=argparse.SUPPRESS)
+    add_row_process_args(parser, ROWS)
     args = parser.parse_args()
-    if args.model is None:
-        from churon.registry import resolve_model
-
-        args.model = str(resolve_model("smollm2-135m"))
-
-    if args.only:
-        workload = json.loads(Path(args.workload).read_text())
-        Path(args.result).write_text(json.dumps(run_row(args.only, args, workload)))
+    if settle_model_or_run_row(args, run_row):
         return
 
     for name, values, known in (("--rows", args.rows, ROWS), ("--workloads", args.workloads, WORKLOADS)):
