@@ -9,7 +9,7 @@ import torch
 
 from churon.loader import load_model
 from churon.engine.kv_cache import SequenceKVCache
-from tiny_models import ARCHS, LLAMA3_ROPE_SCALING, make_hf_model, reference_model, write_gguf
+from tiny_models import DECODER_ARCHS, LLAMA3_ROPE_SCALING, SLIDING_WINDOW, make_hf_model, reference_model, write_gguf
 
 RTOL = 1e-4
 PROMPT = [5, 17, 42, 99, 3, 250, 7, 64, 128, 11, 300, 8]
@@ -40,9 +40,19 @@ def compare_prefill_and_decode(model_path, reference) -> None:
         assert_close_relative(actual[0], expected[-1])
 
 
-@pytest.fixture(scope="module", params=ARCHS)
+@pytest.fixture(scope="module", params=DECODER_ARCHS)
 def hf_dir(request, tmp_path_factory):
     return make_hf_model(request.param, tmp_path_factory.mktemp(request.param))
+
+
+def gguf_keeps_the_model(hf_dir) -> None:
+    """llama.cpp's converter writes Mistral as llama, without its window: that file is another model."""
+    if hf_dir.name.startswith("mistral"):
+        pytest.skip("convert_hf_to_gguf.py drops Mistral's sliding window (the GGUF is a llama)")
+
+
+def test_every_decoder_test_runs_past_the_window():
+    assert len(PROMPT) + DECODE_STEPS > 2 * SLIDING_WINDOW
 
 
 def test_safetensors_directory_matches_transformers(hf_dir):
@@ -51,12 +61,14 @@ def test_safetensors_directory_matches_transformers(hf_dir):
 
 @pytest.mark.parametrize("qtype", ["F32", "F16", "Q8_0", "Q4_0"])
 def test_gguf_matches_transformers_on_the_stored_weights(hf_dir, qtype, tmp_path):
+    gguf_keeps_the_model(hf_dir)
     path = write_gguf(hf_dir, tmp_path / f"model-{qtype}.gguf", qtype)
     compare_prefill_and_decode(path, reference_model(hf_dir, path))
 
 
 def test_quantized_gguf_really_differs_from_the_fp32_model(hf_dir, tmp_path):
     """Guards the test above: the Q4_0 reference must not silently be the unquantized model."""
+    gguf_keeps_the_model(hf_dir)
     path = write_gguf(hf_dir, tmp_path / "model-Q4_0.gguf", "Q4_0")
     transformer, _, _ = load_model(path, kernels="reference")
     with torch.no_grad():
@@ -86,15 +98,27 @@ def test_sharded_safetensors_with_index(tmp_path):
     compare_prefill_and_decode(hf, reference_model(hf))
 
 
-def test_transformers_4_style_config(tmp_path):
-    hf = make_hf_model("qwen2", tmp_path / "hf", legacy_config=True)
+@pytest.mark.parametrize("arch", ["qwen2", "gemma3"])
+def test_transformers_4_style_config(arch, tmp_path):
+    hf = make_hf_model(arch, tmp_path / "hf", legacy_config=True)
+    compare_prefill_and_decode(hf, reference_model(hf))
+
+
+def test_gemma_query_scale_of_its_own(tmp_path):
+    """query_pre_attn_scalar apart from head_dim (as Gemma 2 27B has), from a directory (a GGUF cannot say it)."""
+    hf = make_hf_model("gemma3", tmp_path / "hf", query_pre_attn_scalar=24)
     compare_prefill_and_decode(hf, reference_model(hf))
 
 
 def test_bf16_activations_stay_close(hf_dir):
-    """bf16 is a speed/memory option, not exact: its logits stay within a few percent."""
+    """bf16 is a speed/memory option, not exact: its logits stay within a few percent of fp32's, or within twice
+    the distance transformers' own bf16 keeps (the six-layer tiny Gemma 3 amplifies rounding: 8% there)."""
+    import transformers
+
     transformer, _, _ = load_model(hf_dir, dtype="bfloat16", kernels="reference")
     with torch.no_grad():
         expected = reference_model(hf_dir)(torch.tensor([PROMPT])).logits[0]
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.bfloat16, attn_implementation="eager")
+        their_diff = (theirs(torch.tensor([PROMPT])).logits[0].float() - expected).abs().max().item()
     actual = transformer(torch.tensor(PROMPT), 0, SequenceKVCache.for_model(transformer), all_logits=True)
-    assert_close_relative(actual, expected, rtol=0.05)
+    assert_close_relative(actual, expected, rtol=max(0.05, 2 * their_diff / expected.abs().max().item()))

@@ -37,7 +37,9 @@ import gguf  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-ARCHS = ("llama", "qwen2", "qwen3")
+ARCHS = ("llama", "qwen2", "qwen3")  # the Llama-layout families (LoRA's tests run on these)
+# every decoder family; Gemma's layers add norms and windows, Mistral a window on every layer
+DECODER_ARCHS = ARCHS + ("mistral", "gemma2", "gemma3")
 
 # Sizes shared by every tiny model (the brief's numbers; head_dim = hidden / heads).
 HIDDEN = 64
@@ -49,6 +51,13 @@ INTERMEDIATE = 128
 MAX_POSITIONS = 256
 ROPE_THETA = 10000.0
 RMS_EPS = 1e-6
+# Windows short enough that every test's prompt runs past them; Gemma 3 needs six layers for one global one
+SLIDING_WINDOW = 8
+GEMMA3_LAYERS = 6
+GEMMA3_GLOBAL_THETA = 1_000_000.0  # its windowed layers turn at 10000 (llama.cpp's constant)
+# Soft-caps small enough that tanh bends the tiny models' scores and logits
+GEMMA2_ATTN_SOFTCAP = 5.0
+GEMMA2_FINAL_SOFTCAP = 8.0
 
 # Tokenizer.
 VOCAB_SIZE = 400  # target size given to the BPE trainer (256 bytes + 3 specials + merges)
@@ -145,7 +154,10 @@ QTYPES = {
     "Q5_1": (gguf.GGMLQuantizationType.Q5_1, gguf.LlamaFileType.MOSTLY_Q5_1),
 }
 
-GGUF_ARCH = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3}
+# convert_hf_to_gguf.py writes Mistral as llama (its LlamaModel), without the sliding window
+GGUF_ARCH = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3,
+             "mistral": gguf.MODEL_ARCH.LLAMA, "gemma2": gguf.MODEL_ARCH.GEMMA2, "gemma3": gguf.MODEL_ARCH.GEMMA3}
+GEMMA = ("gemma2", "gemma3")
 
 TRAINING_TEXT = """\
 The quick brown fox jumps over the lazy dog. The dog did not mind; it was a warm afternoon.
@@ -254,6 +266,7 @@ def make_hf_model(
     legacy_config: bool = False,
     chat_template: str = CHAT_TEMPLATE,
     max_positions: int = MAX_POSITIONS,
+    query_pre_attn_scalar: int | None = None,
 ) -> Path:
     """Build a tiny random fp32 model of `arch` and save it (safetensors + config + tokenizer files).
 
@@ -265,14 +278,17 @@ def make_hf_model(
     scaled), torch_dtype instead of dtype, no layer_types, and for qwen a sliding_window number with
     use_sliding_window false, as Qwen2.5 has. Transformers 5 loads both to the same model.
     chat_template: the tokenizer's (see make_tokenizer_files); max_positions: the context (tool-calling
-    prompts, with their tools' schemas, need more than the default). Returns out_dir."""
-    if arch not in ARCHS:
-        raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
+    prompts, with their tools' schemas, need more than the default); query_pre_attn_scalar: Gemma's, when it is
+    not head_dim. Returns out_dir."""
+    if arch not in DECODER_ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; expected one of {DECODER_ARCHS}")
     if rope_scaling is not None and arch != "llama":
         raise ValueError(f"rope_scaling is only supported for llama here, not {arch!r}")
     out_dir = Path(out_dir)
     make_tokenizer_files(out_dir, chat_template)
     model = _build_model(arch, out_dir, tie_word_embeddings, seed, rope_scaling, extra_vocab, max_positions)
+    if query_pre_attn_scalar is not None:
+        model.config.query_pre_attn_scalar = query_pre_attn_scalar
     kwargs = {"max_shard_size": max_shard_size} if shard else {}
     model.save_pretrained(out_dir, safe_serialization=True, **kwargs)
     # save_pretrained may write its own generation_config.json; keep ours.
@@ -289,6 +305,11 @@ def _legacy_config(cfg: dict) -> dict:
     rope = dict(cfg.pop("rope_parameters", None) or {})
     cfg["rope_theta"] = rope.pop("rope_theta", ROPE_THETA)
     cfg["rope_scaling"] = rope if rope.get("rope_type", "default") != "default" else None
+    if "full_attention" in rope:  # Gemma 3: the global layers' base on top, the windowed layers' apart
+        cfg["rope_theta"] = rope["full_attention"]["rope_theta"]
+        cfg["rope_local_base_freq"] = rope["sliding_attention"]["rope_theta"]
+        cfg["rope_scaling"] = None
+        cfg["sliding_window_pattern"] = GEMMA3_LAYERS
     if "dtype" in cfg:
         cfg["torch_dtype"] = cfg.pop("dtype")
     cfg.pop("layer_types", None)
@@ -339,9 +360,26 @@ def _build_model(arch: str, tok_dir: Path, tie: bool, seed: int, rope_scaling: d
         # Qwen2's q/k/v biases are built in (no attention_bias field); no head_dim field, like the real config.
         config = transformers.Qwen2Config(**common, rope_parameters=rope)
         cls = transformers.Qwen2ForCausalLM
-    else:
+    elif arch == "qwen3":
         config = transformers.Qwen3Config(**common, head_dim=HEAD_DIM, attention_bias=False, rope_parameters=rope)
         cls = transformers.Qwen3ForCausalLM
+    elif arch == "mistral":
+        config = transformers.MistralConfig(**common, head_dim=HEAD_DIM, sliding_window=SLIDING_WINDOW,
+                                            rope_parameters=rope)
+        cls = transformers.MistralForCausalLM
+    elif arch == "gemma2":
+        # the query scale equal to head_dim's: a GGUF cannot say otherwise (but 27B's layer count)
+        config = transformers.Gemma2Config(**_gemma_common(common), head_dim=HEAD_DIM, query_pre_attn_scalar=HEAD_DIM,
+                                           sliding_window=SLIDING_WINDOW, attn_logit_softcapping=GEMMA2_ATTN_SOFTCAP,
+                                           final_logit_softcapping=GEMMA2_FINAL_SOFTCAP, rope_parameters=rope)
+        cls = transformers.Gemma2ForCausalLM
+    else:
+        rope = {"sliding_attention": {"rope_type": "default", "rope_theta": ROPE_THETA},
+                "full_attention": {"rope_type": "default", "rope_theta": GEMMA3_GLOBAL_THETA}}
+        config = transformers.Gemma3TextConfig(**{**_gemma_common(common), "num_hidden_layers": GEMMA3_LAYERS},
+                                               head_dim=HEAD_DIM, query_pre_attn_scalar=HEAD_DIM,
+                                               sliding_window=SLIDING_WINDOW, rope_parameters=rope)
+        cls = transformers.Gemma3ForCausalLM
     config.architectures = [cls.__name__]
     config.dtype = "float32"
 
@@ -349,6 +387,12 @@ def _build_model(arch: str, tok_dir: Path, tie: bool, seed: int, rope_scaling: d
     model = cls(config).to(torch.float32)
     _randomize(model, seed)
     return model.eval()
+
+
+def _gemma_common(common: dict) -> dict:
+    """Gemma's configs name the activation hidden_activation: the tanh-approximated GELU."""
+    out = {k: v for k, v in common.items() if k != "hidden_act"}
+    return out | {"hidden_activation": "gelu_pytorch_tanh"}
 
 
 def _randomize(model: torch.nn.Module, seed: int) -> None:
@@ -457,9 +501,9 @@ def write_gguf(hf_dir: Path, out_path: Path, qtype: str = "F32") -> Path:
         raise ValueError(f"unknown qtype {qtype!r}; expected one of {tuple(QTYPES)}")
     data_qtype, ftype = QTYPES[qtype]
     hparams = _load_hparams(hf_dir)
-    arch = hparams["model_type"]
-    if arch not in ARCHS:
-        raise ValueError(f"{hf_dir}/config.json: model_type {arch!r} is not one of {ARCHS}")
+    arch = {"gemma3_text": "gemma3"}.get(hparams["model_type"], hparams["model_type"])
+    if arch not in DECODER_ARCHS:
+        raise ValueError(f"{hf_dir}/config.json: model_type {arch!r} is not one of {DECODER_ARCHS}")
     model_arch = GGUF_ARCH[arch]
     n_blocks = hparams["num_hidden_layers"]
     n_head = hparams["num_attention_heads"]
@@ -475,11 +519,15 @@ def write_gguf(hf_dir: Path, out_path: Path, qtype: str = "F32") -> Path:
     for name, t in _read_safetensors(hf_dir):
         if name.endswith((".attention.masked_bias", ".attention.bias", ".rotary_emb.inv_freq")):
             continue
-        if arch == "llama":  # LlamaModel.modify_tensors: undo_permute
+        if arch in ("llama", "mistral"):  # LlamaModel.modify_tensors: undo_permute
             if name.endswith(("q_proj.weight", "q_proj.bias")):
                 t = permute_qk(t, n_head)
             if name.endswith(("k_proj.weight", "k_proj.bias")):
                 t = permute_qk(t, n_kv_head)
+        if arch in GEMMA and name.endswith("norm.weight"):  # Gemma2Model / Gemma3Model: (1 + weight) stored
+            t = t + 1
+        if arch == "gemma2" and name == "lm_head.weight":
+            continue
         new_name = tensor_map.get_name(name, try_suffixes=(".weight", ".bias"))
         if new_name is None:
             raise ValueError(f"{hf_dir}: cannot map tensor {name!r} to a GGUF name")
@@ -524,14 +572,21 @@ def _set_gguf_parameters(writer: gguf.GGUFWriter, hparams: dict, arch: str, n_bl
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(rope["factor"])
     # "default": nothing; "llama3": handled by the rope_freqs tensor, no rope.scaling.* keys.
-    if rope.get("rope_theta") is not None:
+    if rope.get("rope_theta") is not None and arch != "gemma2":  # Gemma2Model writes none: llama.cpp's 10000
         writer.add_rope_freq_base(rope["rope_theta"])
     writer.add_layer_norm_rms_eps(hparams["rms_norm_eps"])
     if hparams.get("head_dim") is not None:  # qwen2's config has no head_dim, so no key/value_length
         writer.add_key_length(hparams["head_dim"])
         writer.add_value_length(hparams["head_dim"])
     writer.add_file_type(ftype)
-    if arch == "llama":
+    if arch == "gemma2":
+        writer.add_attn_logit_softcapping(hparams["attn_logit_softcapping"])
+        writer.add_final_logit_softcapping(hparams["final_logit_softcapping"])
+    if arch in GEMMA:
+        writer.add_sliding_window(hparams["sliding_window"])
+    if arch == "gemma3":  # Gemma3Model: the global layers' base (the windowed layers' is llama.cpp's constant)
+        writer.add_rope_freq_base(hparams["_rope"]["full_attention"]["rope_theta"])
+    if arch in ("llama", "mistral"):
         writer.add_vocab_size(hparams["vocab_size"])
         rope_dim = hparams.get("head_dim") or hparams["hidden_size"] // hparams["num_attention_heads"]
         writer.add_rope_dimension_count(rope_dim)
@@ -585,8 +640,10 @@ def gguf_to_hf_name(arch: str, gguf_name: str, n_blocks: int) -> str | None:
     parts = gguf_name.split(".")
     if parts[0] != "blk" or len(parts) != 4 or not (0 <= int(parts[1]) < n_blocks):
         return None
+    norms = {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
+             "post_ffw_norm": "post_feedforward_layernorm"} if arch in GEMMA else {"ffn_norm": "post_attention_layernorm"}
     per_block = {
-        "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+        "attn_norm": "input_layernorm", **norms,
         "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
         "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
         "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
@@ -602,9 +659,11 @@ def gguf_tensor_as_hf(reader: gguf.GGUFReader, t, arch: str) -> torch.Tensor:
     shape = tuple(int(n) for n in reversed(t.shape.tolist()))  # GGML ne order -> numpy order
     data = data.reshape(shape)
     kind = t.name.split(".")[-2]
-    if arch == "llama" and kind in ("attn_q", "attn_k"):
+    if arch in ("llama", "mistral") and kind in ("attn_q", "attn_k"):
         n_head = _field(reader, "llama.attention.head_count" if kind == "attn_q" else "llama.attention.head_count_kv")
         data = unpermute_qk(data, n_head)
+    if arch in GEMMA and t.name.endswith("norm.weight"):
+        data = data - 1  # the GGUF stores 1 + weight
     return torch.from_numpy(np.array(data, dtype=np.float32, order="C"))
 
 
@@ -627,7 +686,7 @@ def reference_model(hf_dir: Path, gguf_path: Path | None = None) -> torch.nn.Mod
     if gguf_path is None:
         return model
     reader = gguf.GGUFReader(Path(gguf_path))
-    arch = model.config.model_type
+    arch = {"gemma3_text": "gemma3"}.get(model.config.model_type, model.config.model_type)
     params = dict(model.named_parameters(remove_duplicate=False))
     seen = set()
     with torch.no_grad():

@@ -1,7 +1,8 @@
 """ModelConfig: the architecture of a decoder-only transformer, whatever file it came from.
 
-Llama, Qwen2 and Qwen3 are one transformer with different flags; SUPPORTED_ARCHITECTURES
-says which flags each sets. Loaders (formats/gguf.py, formats/hf.py) fill this in.
+Llama, Mistral, Qwen2, Qwen3, Gemma 2 and Gemma 3 are one transformer with different flags;
+SUPPORTED_ARCHITECTURES says which flags each sets. Loaders (formats/gguf.py, formats/hf.py) fill in the
+rest (sizes, windows, soft-caps).
 """
 
 from __future__ import annotations
@@ -14,15 +15,23 @@ from typing import Any, Mapping
 
 from churon.errors import ModelFileError, UnsupportedModelError
 
+# What Gemma 2 and 3 change in the Llama layer: embeddings scaled by sqrt(hidden), a norm after attention and after
+# the MLP as well as before each, and GeGLU (tanh-approximated GELU) in place of SwiGLU
+_GEMMA = {"scale_embeddings": True, "sandwich_norms": True, "hidden_act": "gelu_tanh"}
+
 # architecture name (GGUF general.architecture / HF model_type) -> flags that differ from plain Llama
-SUPPORTED_ARCHITECTURES: dict[str, dict[str, bool]] = {
+SUPPORTED_ARCHITECTURES: dict[str, dict[str, Any]] = {
     "llama": {},
+    "mistral": {},  # Llama with a sliding window on every layer (its config's sliding_window)
     "qwen2": {"attention_bias": True},
     "qwen3": {"qk_norm": True},
+    "gemma2": _GEMMA,
+    "gemma3": {**_GEMMA, "qk_norm": True},
 }
+GEMMA_ARCHITECTURES = ("gemma2", "gemma3")
 
 
-def check_architecture(name: str, source: str) -> dict[str, bool]:
+def check_architecture(name: str, source: str) -> dict[str, Any]:
     if not isinstance(name, str):
         raise ModelFileError(f"{source}: the architecture {name!r:.80} is not a string")
     if name not in SUPPORTED_ARCHITECTURES:
@@ -49,8 +58,27 @@ class ModelConfig:
     rope_scaling: dict[str, Any] | None = None
     tie_word_embeddings: bool = True
     attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
-    qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3)
+    qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3, Gemma 3)
+    scale_embeddings: bool = False  # the embeddings are multiplied by sqrt(hidden_size) (Gemma)
+    # a norm on the attention's and the MLP's outputs before each is added to the residual stream (Gemma 2/3)
+    sandwich_norms: bool = False
+    hidden_act: str = "silu"  # the gated MLP's activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU, Gemma)
+    query_pre_attn_scalar: float | None = None  # attention scores are scaled by its -1/2 power (None: head_dim's)
+    # per layer, how many positions back its attention reaches (the query's own included); 0: the whole history.
+    # Empty: every layer sees the whole history
+    layer_windows: tuple[int, ...] = ()
+    rope_local_theta: float | None = None  # RoPE base of the windowed layers, without scaling (Gemma 3); None: rope_theta's
+    attn_logit_softcap: float = 0.0  # scores become c * tanh(s / c) before the softmax (Gemma 2); 0: none
+    final_logit_softcap: float = 0.0  # likewise the logits (Gemma 2); 0: none
     extra: dict[str, Any] = field(default_factory=dict)  # informational only (file type, name, ...)
+
+    def window(self, layer: int) -> int:
+        """How many positions back layer's attention sees, the query's own included; 0: all."""
+        return self.layer_windows[layer] if self.layer_windows else 0
+
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
 
 @dataclass
@@ -198,6 +226,25 @@ def check_config(c: ModelConfig, keys: Mapping[str, str], source: str) -> None:
         )
     if c.head_dim % 2:
         raise ModelFileError(f"{source}: {keys['head_dim']} = {c.head_dim} is odd (RoPE rotates pairs of dimensions)")
+    if c.layer_windows and len(c.layer_windows) != c.num_layers:
+        raise ModelFileError(
+            f"{source}: {keys['layer_windows']} gives {len(c.layer_windows)} layers' attention, the model has"
+            f" {keys['num_layers']} = {c.num_layers}"
+        )
+    window = max(c.layer_windows, default=0)
+    if window > c.context_length:  # a window never reached says the file was written for another model
+        raise ModelFileError(
+            f"{source}: {keys['sliding_window']} = {window} is larger than the context, {keys['context_length']} ="
+            f" {c.context_length}"
+        )
+
+
+def windows_of_pattern(num_layers: int, window: int, period: int) -> tuple[int, ...]:
+    """Per layer, its window where period - 1 windowed layers alternate with one global layer (llama.cpp's
+    swa pattern: Gemma 2 has period 2, Gemma 3 period 6; period 1 is a window on every layer)."""
+    if period == 1:
+        return (window,) * num_layers
+    return tuple(window if i % period < period - 1 else 0 for i in range(num_layers))
 
 
 def default_threads() -> int:

@@ -23,12 +23,14 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 from churon.config import (
     MAX_CONTEXT_LENGTH,
     MAX_LAYERS,
+    GEMMA_ARCHITECTURES,
     ConfigReader,
     EncoderConfig,
     ModelConfig,
     PoolingConfig,
     check_architecture,
     check_config,
+    windows_of_pattern,
 )
 from churon.errors import ModelFileError, UnsupportedModelError
 from churon.formats import bert
@@ -284,7 +286,18 @@ _CONFIG_KEYS = {
     "rms_norm_eps": "attention.layer_norm_rms_epsilon",
     "rope_theta": "rope.freq_base",
     "rope_scaling": "rope.scaling.type",
+    "sliding_window": "attention.sliding_window",
+    "layer_windows": "attention.sliding_window_pattern",
 }
+
+# llama.cpp's windowed-layer patterns where the file has no {arch}.attention.sliding_window_pattern: every
+# period-th layer sees the whole history (llama_model::load_hparams)
+_SWA_PERIODS = {"gemma2": 2, "gemma3": 6}
+# Gemma 3's windowed layers turn at base 10000 without scaling, a constant in llama.cpp (rope_freq_base_train_swa)
+GEMMA3_LOCAL_ROPE_THETA = 10000.0
+# The 27B Gemmas scale queries by (hidden / heads) ** -0.5 rather than head_dim ** -0.5 (query_pre_attn_scalar
+# 144); a GGUF does not say so, llama.cpp tells them by their layer count
+_QUERY_SCALAR_BY_HIDDEN = {"gemma2": 46, "gemma3": 62}
 
 # GGUF tensor name -> canonical name (see model/transformer.py); blk.N. becomes layers.N.
 _GLOBAL_NAMES = {
@@ -310,30 +323,44 @@ _BLOCK_NAMES = {
     "ffn_down.weight": "mlp.down_proj.weight",
 }
 
+# Gemma's four norms a layer: its ffn_norm is the norm before the MLP, as in Llama, but Hugging Face names that
+# pre_feedforward_layernorm and gives post_attention_layernorm to the norm on the attention's output
+_SANDWICH_BLOCK_NAMES = {
+    **_BLOCK_NAMES,
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
+
 _FILE_NAMES = {v: k for k, v in _GLOBAL_NAMES.items()}
-_BLOCK_FILE_NAMES = {v: k for k, v in _BLOCK_NAMES.items()}
+
+
+def _block_names(arch: str) -> dict[str, str]:
+    return _SANDWICH_BLOCK_NAMES if arch in GEMMA_ARCHITECTURES else _BLOCK_NAMES
 
 # llama.cpp's enum llama_pooling_type, as {arch}.pooling_type stores it: 0 none, 1 mean, 2 cls, 3 last, 4 rank
 POOLING_TYPES = {1: "mean", 2: "cls", 3: "last"}
 POOLING_RANK = 4
 
 
-def canonical_name(gguf_name: str) -> str | None:
+def canonical_name(gguf_name: str, arch: str = "llama") -> str | None:
+    """The canonical name (model/transformer.py's) of a decoder's GGUF tensor; None for one the model does not read."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     parts = gguf_name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _BLOCK_NAMES:
-        return f"layers.{parts[1]}.{_BLOCK_NAMES[parts[2]]}"
+    names = _block_names(arch)
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in names:
+        return f"layers.{parts[1]}.{names[parts[2]]}"
     return None
 
 
-def file_name(canonical: str) -> str:
+def file_name(canonical: str, arch: str = "llama") -> str:
     """A decoder's GGUF tensor name for a canonical one (layers.0.self_attn.q_proj.weight -> blk.0.attn_q.weight):
     canonical_name's inverse."""
     if canonical in _FILE_NAMES:
         return _FILE_NAMES[canonical]
     _, layer, rest = canonical.split(".", 2)
-    return f"blk.{layer}.{_BLOCK_FILE_NAMES[rest]}"
+    return f"blk.{layer}.{next(k for k, v in _block_names(arch).items() if v == rest)}"
 
 
 def from_llama_cpp_layout(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -360,7 +387,7 @@ class GGUFModel:
             self._canonical_name = bert.canonical_from_gguf
         else:
             self.config = self._config(arch)
-            self._canonical_name = canonical_name
+            self._canonical_name = lambda name: canonical_name(name, arch)
         self.pooling = self._pooling(arch)
 
     def _pooling(self, arch: str) -> PoolingConfig | None:
@@ -399,12 +426,15 @@ class GGUFModel:
             raise UnsupportedModelError(
                 f"{self.path}: {keys['rope_scaling']} {scaling_type!r} is not supported (supported: linear)"
             )
+        num_layers = r.integer(keys["num_layers"], hi=MAX_LAYERS, why=" (llama.cpp's LLAMA_MAX_LAYERS)")
+        if arch in GEMMA_ARCHITECTURES:
+            flags = {**flags, **self._gemma_fields(arch, r, keys, num_layers, hidden, heads)}
         config = ModelConfig(
             architecture=arch,
             vocab_size=r.dimension(keys["vocab_size"], size, default=embed.shape[0]),  # Qwen files leave it out
             hidden_size=hidden,
             intermediate_size=r.dimension(keys["intermediate_size"], size),
-            num_layers=r.integer(keys["num_layers"], hi=MAX_LAYERS, why=" (llama.cpp's LLAMA_MAX_LAYERS)"),
+            num_layers=num_layers,
             num_heads=heads,
             num_kv_heads=r.dimension(keys["num_kv_heads"], size, default=heads),
             head_dim=r.head_dim(keys, hidden, heads, size),
@@ -424,6 +454,29 @@ class GGUFModel:
                 " (RoPE over part of a head is not supported)"
             )
         return config
+
+    def _gemma_fields(self, arch: str, r: ConfigReader, keys: dict[str, str], num_layers: int, hidden: int,
+                      heads: int) -> dict[str, Any]:
+        """Gemma's windows, soft-caps, query scale and local RoPE base, as llama.cpp reads them."""
+        window = r.integer(keys["sliding_window"], hi=MAX_CONTEXT_LENGTH)
+        pattern = self.file.get(keys["layer_windows"])
+        if pattern is None:
+            windows = windows_of_pattern(num_layers, window, _SWA_PERIODS[arch])
+        elif isinstance(pattern, list):  # newer converters: one bool per layer, true where it is windowed
+            if not all(isinstance(p, bool) for p in pattern):
+                raise ModelFileError(f"{self.path}: {keys['layer_windows']} is neither an integer nor booleans")
+            windows = tuple(window if p else 0 for p in pattern)
+        else:
+            windows = windows_of_pattern(num_layers, window, r.integer(keys["layer_windows"], hi=num_layers))
+        fields: dict[str, Any] = {"layer_windows": windows}
+        if num_layers == _QUERY_SCALAR_BY_HIDDEN[arch]:
+            fields["query_pre_attn_scalar"] = float(hidden // heads)
+        if arch == "gemma2":
+            fields["attn_logit_softcap"] = r.number(f"{arch}.attn_logit_softcapping", 50.0)
+            fields["final_logit_softcap"] = r.number(f"{arch}.final_logit_softcapping", 30.0)
+        else:
+            fields["rope_local_theta"] = r.number(f"{arch}.rope.freq_base_swa", GEMMA3_LOCAL_ROPE_THETA)
+        return fields
 
     @property
     def tensors(self) -> list[TensorInfo]:
@@ -450,7 +503,7 @@ class GGUFModel:
         """The name this file uses (or would use) for a canonical tensor name."""
         if isinstance(self.config, EncoderConfig):
             return bert.gguf_name(canonical)
-        return file_name(canonical)
+        return file_name(canonical, self.config.architecture)
 
     def load_weights(self) -> dict[str, GGUFTensor]:
         """Every known tensor as stored (quantized bytes), by canonical name, q/k rows in the Hugging Face layout.

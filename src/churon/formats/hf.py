@@ -13,12 +13,15 @@ from safetensors import safe_open
 from churon.config import (
     MAX_CONTEXT_LENGTH,
     MAX_LAYERS,
+    GEMMA_ARCHITECTURES,
     ConfigReader,
     EncoderConfig,
     ModelConfig,
     check_architecture,
     check_config,
     check_rope_scaling,
+    positive_float,
+    windows_of_pattern,
 )
 from churon.errors import ModelFileError, UnsupportedModelError
 from churon.formats import bert
@@ -43,7 +46,14 @@ _CONFIG_KEYS = {
     "context_length": "max_position_embeddings",
     "rms_norm_eps": "rms_norm_eps",
     "rope_theta": "rope_theta",
+    "sliding_window": "sliding_window",
+    "layer_windows": "layer_types",
 }
+# model_type -> the architecture it is (Gemma 3's text-only checkpoints)
+_ARCHITECTURE_OF = {"gemma3_text": "gemma3"}
+# Without layer_types (transformers 4 configs): every period-th layer sees the whole history
+_SWA_PERIODS = {"mistral": 1, "gemma2": 2, "gemma3": 6}
+_LAYER_TYPES = {"sliding_attention": True, "full_attention": False}
 
 
 def _canonical_name(hf_name: str) -> str:
@@ -112,6 +122,7 @@ class HFModel:
         arch = cfg.get("model_type")
         if arch is None:
             raise ModelFileError(f"{source}: field 'model_type' is missing")
+        arch = _ARCHITECTURE_OF.get(arch, arch) if isinstance(arch, str) else arch
         flags = dict(check_architecture(arch, source))
         r = ConfigReader(cfg, source)
         if "attention_bias" in cfg:
@@ -119,10 +130,16 @@ class HFModel:
         if r.boolean("mlp_bias", False):
             raise UnsupportedModelError(f"{source}: mlp_bias=true is not supported")
 
-        # transformers 5 moved rope_theta and rope_scaling into one "rope_parameters" dict.
+        # transformers 5 moved rope_theta and rope_scaling into one "rope_parameters" dict (Gemma 3: one per
+        # layer type, the windowed layers' apart).
         rope = cfg.get("rope_parameters") or {}
         if not isinstance(rope, dict):
             raise ModelFileError(f"{source}: rope_parameters = {rope!r:.80} is not an object")
+        local_rope = None
+        if "full_attention" in rope:
+            local_rope, rope = rope.get("sliding_attention"), rope["full_attention"]
+            if not isinstance(rope, dict) or not isinstance(local_rope, (dict, type(None))):
+                raise ModelFileError(f"{source}: rope_parameters' layer types are not objects")
         if cfg.get("rope_theta") is not None:
             rope_theta = r.number("rope_theta")
         else:
@@ -132,12 +149,16 @@ class HFModel:
         keys = _CONFIG_KEYS
         heads = r.dimension(keys["num_heads"], file_bytes)
         hidden = r.dimension(keys["hidden_size"], file_bytes)
+        num_layers = r.integer(keys["num_layers"], hi=MAX_LAYERS, why=" (llama.cpp's LLAMA_MAX_LAYERS)")
+        flags["layer_windows"] = _layer_windows(cfg, r, arch, num_layers, source)
+        if arch in GEMMA_ARCHITECTURES:
+            flags |= _gemma_fields(cfg, r, arch, local_rope, source)
         config = ModelConfig(
             architecture=arch,
             vocab_size=r.dimension(keys["vocab_size"], file_bytes),
             hidden_size=hidden,
             intermediate_size=r.dimension(keys["intermediate_size"], file_bytes),
-            num_layers=r.integer(keys["num_layers"], hi=MAX_LAYERS, why=" (llama.cpp's LLAMA_MAX_LAYERS)"),
+            num_layers=num_layers,
             num_heads=heads,
             num_kv_heads=r.dimension(keys["num_kv_heads"], file_bytes, default=heads),
             head_dim=r.head_dim(keys, hidden, heads, file_bytes),
@@ -209,9 +230,59 @@ class HFModel:
         shard = self._index[name][0]
         try:
             with safe_open(shard, framework="pt") as f:
-                return f.get_tensor(name).float()
+                tensor = f.get_tensor(name).float()
         except Exception as e:  # safetensors raises SafetensorError for truncated data
             raise ModelFileError(f"{shard}: cannot read tensor {name!r}: {e}") from e
+        if self.config.architecture in GEMMA_ARCHITECTURES and name.endswith("norm.weight"):
+            # Gemma's RMSNorm multiplies by (1 + weight); llama.cpp's converter stores 1 + weight, and so do we
+            tensor += 1.0
+        return tensor
+
+
+def _layer_windows(cfg: dict[str, Any], r: ConfigReader, arch: str, num_layers: int, source: str) -> tuple[int, ...]:
+    """Per layer, its attention window (0: the whole history), as transformers reads the config: layer_types when
+    given, else the architecture's pattern; Qwen's windows only with use_sliding_window."""
+    if cfg.get("sliding_window") is None or cfg.get("use_sliding_window") is False:
+        return ()
+    window = r.integer("sliding_window", hi=MAX_CONTEXT_LENGTH)
+    layer_types = cfg.get("layer_types")
+    if layer_types is not None:
+        if not isinstance(layer_types, list) or not all(t in _LAYER_TYPES for t in layer_types):
+            raise ModelFileError(f"{source}: layer_types = {layer_types!r:.80} is not a list of"
+                                 f" {' / '.join(_LAYER_TYPES)}")
+        return tuple(window if _LAYER_TYPES[t] else 0 for t in layer_types)
+    if arch in ("qwen2", "qwen3"):  # use_sliding_window: the layers from max_window_layers on
+        first = r.integer("max_window_layers", default=num_layers, lo=0)
+        return tuple(window if i >= first else 0 for i in range(num_layers))
+    if arch not in _SWA_PERIODS:
+        return ()
+    period = r.integer("sliding_window_pattern", default=_SWA_PERIODS[arch], hi=num_layers)
+    return windows_of_pattern(num_layers, window, period)
+
+
+def _gemma_fields(cfg: dict[str, Any], r: ConfigReader, arch: str, local_rope: dict[str, Any] | None,
+                  source: str) -> dict[str, Any]:
+    """Gemma 2/3's query scale, soft-caps and local RoPE base; its activation checked."""
+    act = cfg.get("hidden_activation", cfg.get("hidden_act"))
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise UnsupportedModelError(f"{source}: hidden_activation {act!r:.80} is not supported (supported:"
+                                    " gelu_pytorch_tanh)")
+    fields: dict[str, Any] = {}
+    if cfg.get("query_pre_attn_scalar") is not None:
+        fields["query_pre_attn_scalar"] = r.number("query_pre_attn_scalar")
+    for field, key in (("attn_logit_softcap", "attn_logit_softcapping"), ("final_logit_softcap", "final_logit_softcapping")):
+        if cfg.get(key) is not None:
+            fields[field] = r.number(key)
+    if arch == "gemma3":
+        if local_rope is not None:
+            if local_rope.get("rope_type", "default") != "default":
+                raise UnsupportedModelError(f"{source}: rope_parameters.sliding_attention: RoPE scaling"
+                                            f" {local_rope.get('rope_type')!r:.80} is not supported on windowed layers")
+            fields["rope_local_theta"] = positive_float(local_rope.get("rope_theta", 10000.0),
+                                                        "rope_parameters.sliding_attention.rope_theta", source)
+        else:
+            fields["rope_local_theta"] = r.number("rope_local_base_freq", 10000.0)
+    return fields
 
 
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")  # the safetensors dtypes weights are read from (and adapters)

@@ -90,10 +90,17 @@ class Backend(Protocol):
         """RoPE on q and k of qkv [tokens, (heads + 2 kv_heads) * head_dim]; k and v into the cache. Returns q."""
         ...
 
-    def swiglu(self, gate_up: torch.Tensor) -> torch.Tensor: ...
+    def swiglu(self, gate_up: torch.Tensor) -> torch.Tensor: ...  # silu(gate) * up, gate the first half's columns
 
-    def attention(self, q: torch.Tensor, cache: KVCache, layer: int, batch: ForwardBatch, scale: float) -> torch.Tensor:
-        """Causal attention of each sequence's new tokens q [tokens, heads, head_dim] over its cached keys."""
+    def geglu(self, gate_up: torch.Tensor) -> torch.Tensor: ...  # gelu_tanh(gate) * up (Gemma's MLP)
+
+    def attention(self, q: torch.Tensor, cache: KVCache, layer: int, batch: ForwardBatch, scale: float,
+                  window: int = 0, softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """Causal attention of each sequence's new tokens q [tokens, heads, head_dim] over its cached keys.
+
+        window > 0: a query at position p sees keys p - window + 1 .. p only. softcap > 0: each score s (scale
+        included) becomes softcap * tanh(s / softcap) before the softmax (Gemma 2). sinks [heads] float32: a logit
+        per head that joins the softmax's denominator only (gpt-oss)."""
         ...
 
     def lora_stack(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor] | None]) -> Any:

@@ -98,8 +98,15 @@ class ReferenceBackend:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
-    def attention(self, q: torch.Tensor, cache: KVCache, layer: int, batch: ForwardBatch, scale: float) -> torch.Tensor:
-        """Causal attention of each sequence's new tokens over all its keys, read through its slots.
+    def geglu(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
+    def attention(self, q: torch.Tensor, cache: KVCache, layer: int, batch: ForwardBatch, scale: float,
+                  window: int = 0, softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """Causal attention of each sequence's new tokens over its keys, read through its slots: all of them, or the
+        last `window` positions of each query's; soft-capped scores (softcap > 0) and per-head sink logits that
+        join the softmax's denominator (sinks [heads]) when given.
 
         q: [tokens, heads, head_dim]. Returns [tokens, heads, head_dim].
         """
@@ -107,17 +114,25 @@ class ReferenceBackend:
         heads, kv_heads = q.shape[1], cache.k.shape[3]
         for i, ctx in enumerate(batch.context_lens):
             a, b = batch.query_start[i], batch.query_start[i + 1]
-            slots = slots_of(batch.block_tables[i], torch.arange(ctx), cache.block_size)
             n = b - a
+            first = max(0, ctx - n - window + 1) if window else 0  # the earliest key any of the n queries sees
+            slots = slots_of(batch.block_tables[i], torch.arange(first, ctx), cache.block_size)
             k, v = cache.read(layer, slots, q.dtype)
-            out[a:b] = F.scaled_dot_product_attention(
-                q[a:b].transpose(0, 1),
-                k.transpose(0, 1),
-                v.transpose(0, 1),
-                attn_mask=_causal_mask(n, ctx - n) if n > 1 else None,
-                scale=scale,
-                enable_gqa=heads != kv_heads,
-            ).transpose(0, 1)
+            mask = _attention_mask(n, ctx - n, first, window)
+            qh, kh, vh = q[a:b].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+            if not softcap and sinks is None:
+                out[a:b] = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale,
+                                                          enable_gqa=heads != kv_heads).transpose(0, 1)
+                continue
+            kh, vh = (t.repeat_interleave(heads // kv_heads, dim=0) for t in (kh, vh))
+            scores = (qh @ kh.transpose(1, 2)) * scale  # [heads, n, keys]
+            if softcap:
+                scores = torch.tanh(scores / softcap) * softcap
+            scores = scores.masked_fill(~mask, float("-inf"))
+            if sinks is not None:  # one more logit per head, no value behind it
+                scores = torch.cat([scores, sinks.to(scores.dtype).view(heads, 1, 1).expand(heads, n, 1)], dim=-1)
+            probs = torch.softmax(scores, dim=-1)[..., : kh.shape[1]]
+            out[a:b] = (probs @ vh).transpose(0, 1)
         return out
 
     def lora_stack(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor] | None]) -> list:
@@ -136,8 +151,14 @@ class ReferenceBackend:
             y.index_add_(0, rows, F.linear(low, b).to(y.dtype))
 
 
-def _causal_mask(n: int, start: int) -> torch.Tensor:
-    """Query i (at position start + i) sees keys 0..start + i."""
-    return torch.arange(start + n)[None, :] <= torch.arange(start, start + n)[:, None]
+def _attention_mask(n: int, start: int, first: int, window: int) -> torch.Tensor:
+    """[n, start + n - first]: query i (at position start + i) sees the key at position first + j when that is at
+    most start + i and, with a window, less than window positions back."""
+    keys = torch.arange(first, start + n)[None, :]
+    queries = torch.arange(start, start + n)[:, None]
+    mask = keys <= queries
+    if window:
+        mask &= queries - keys < window
+    return mask
 
 

@@ -1,4 +1,5 @@
-"""One decoder-only transformer; Llama, Qwen2 and Qwen3 differ only by ModelConfig flags.
+"""One decoder-only transformer; Llama, Mistral, Qwen2, Qwen3, Gemma 2 and Gemma 3 differ only by ModelConfig
+flags (and the sizes, windows and soft-caps their files give).
 
 Weights come in as a dict with the canonical names listed by `expected_weight_shapes`
 (Hugging Face's names without the "model." prefix), as GGUF bytes or float tensors; the
@@ -10,7 +11,7 @@ the tokens of a batch that carry an adapter slot.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -35,7 +36,7 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         a, m = f"layers.{i}.self_attn.", f"layers.{i}.mlp."
         shapes |= {
             f"layers.{i}.input_layernorm.weight": (c.hidden_size,),
-            f"layers.{i}.post_attention_layernorm.weight": (c.hidden_size,),
+            f"layers.{i}.{_mlp_norm_name(c)}": (c.hidden_size,),
             a + "q_proj.weight": (q, c.hidden_size),
             a + "k_proj.weight": (kv, c.hidden_size),
             a + "v_proj.weight": (kv, c.hidden_size),
@@ -48,7 +49,19 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes |= {a + "q_proj.bias": (q,), a + "k_proj.bias": (kv,), a + "v_proj.bias": (kv,)}
         if c.qk_norm:
             shapes |= {a + "q_norm.weight": (c.head_dim,), a + "k_norm.weight": (c.head_dim,)}
+        if c.sandwich_norms:
+            shapes |= {f"layers.{i}.{name}": (c.hidden_size,) for name in _OUTPUT_NORM_NAMES}
     return shapes
+
+
+# Gemma's norms on the attention's and the MLP's outputs (Hugging Face's names)
+_OUTPUT_NORM_NAMES = ("post_attention_layernorm.weight", "post_feedforward_layernorm.weight")
+
+
+def _mlp_norm_name(config: ModelConfig) -> str:
+    """The norm before the MLP: Llama's post_attention_layernorm, which Gemma calls pre_feedforward_layernorm (its
+    post_attention_layernorm is the norm on the attention's output)."""
+    return "pre_feedforward_layernorm.weight" if config.sandwich_norms else "post_attention_layernorm.weight"
 
 
 @dataclass
@@ -62,9 +75,12 @@ class LayerWeights:
     q_norm: Any | None  # Qwen3: RMSNorm over each head of q and k
     k_norm: Any | None
     o: Any
-    post_norm: Any
+    post_norm: Any  # the norm before the MLP
     gate_up: Any  # gate and up projections stacked by rows
     down: Any
+    window: int = 0  # how many positions back the attention sees, the query's own included (0: all)
+    attn_out_norm: Any | None = None  # Gemma: the norms on the attention's and the MLP's outputs
+    mlp_out_norm: Any | None = None
 
     @classmethod
     def build(cls, config: ModelConfig, layer: int, weights: dict[str, RawWeight], backend: Backend) -> "LayerWeights":
@@ -77,6 +93,9 @@ class LayerWeights:
         q_norm = k_norm = None
         if config.qk_norm:
             q_norm, k_norm = backend.vector(weights[a + "q_norm.weight"]), backend.vector(weights[a + "k_norm.weight"])
+        attn_out_norm = mlp_out_norm = None
+        if config.sandwich_norms:
+            attn_out_norm, mlp_out_norm = (backend.vector(weights[p + name]) for name in _OUTPUT_NORM_NAMES)
         return cls(
             input_norm=backend.vector(weights[p + "input_layernorm.weight"]),
             qkv=backend.matrix(concat_rows([weights[a + f"{x}_proj.weight"] for x in "qkv"])),
@@ -84,9 +103,12 @@ class LayerWeights:
             q_norm=q_norm,
             k_norm=k_norm,
             o=backend.matrix(weights[a + "o_proj.weight"]),
-            post_norm=backend.vector(weights[p + "post_attention_layernorm.weight"]),
+            post_norm=backend.vector(weights[p + _mlp_norm_name(config)]),
             gate_up=backend.matrix(concat_rows([weights[m + "gate_proj.weight"], weights[m + "up_proj.weight"]])),
             down=backend.matrix(weights[m + "down_proj.weight"]),
+            window=config.window(layer),
+            attn_out_norm=attn_out_norm,
+            mlp_out_norm=mlp_out_norm,
         )
 
 
@@ -125,7 +147,7 @@ class Transformer:
         objects = {id(self.embed_tokens): self.embed_tokens, id(self.lm_head): self.lm_head, id(self.norm): self.norm}
         for layer in self.layers:
             for w in vars(layer).values():
-                if w is not None:
+                if hasattr(w, "nbytes"):  # weights, not the layer's window
                     objects[id(w)] = w
         return sum(w.nbytes for w in objects.values())  # torch tensors and native matrices alike
 
@@ -147,7 +169,11 @@ class Transformer:
     @torch.inference_mode()
     def forward_batch(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
         """Run a step of many sequences; float32 logits of the rows batch.logits_indices names."""
-        return self.backend.linear_precise(self.lm_head, self.hidden_states(batch, cache)).float()
+        logits = self.backend.linear_precise(self.lm_head, self.hidden_states(batch, cache)).float()
+        cap = self.config.final_logit_softcap
+        if cap:  # Gemma 2
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
     @torch.inference_mode()
     def hidden_states(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
@@ -163,6 +189,8 @@ class Transformer:
                                  f"0..{self.lora.max_loras - 1}")
             lora = self.lora.layers
         x = b.embedding(self.embed_tokens, batch.input_ids)  # the residual stream, [tokens, hidden]
+        if self.config.scale_embeddings:
+            x *= self.config.hidden_size**0.5
         h = b.rms_norm(x, self.layers[0].input_norm, eps)
         for i, layer in enumerate(self.layers):
             down = self.block(layer, x, h, batch, cache, i, lora[i] if lora is not None else None)
@@ -183,7 +211,11 @@ class DecoderBlock:
         self.config = config
         self.backend = backend
         self.cos, self.sin = rope_tables(rope_inv_freq(config, freq_factors), config.context_length)
-        self.scale = config.head_dim**-0.5
+        self.local_cos, self.local_sin = self.cos, self.sin  # the windowed layers' (Gemma 3: another base)
+        if config.rope_local_theta is not None:
+            local = replace(config, rope_theta=config.rope_local_theta, rope_scaling=None)
+            self.local_cos, self.local_sin = rope_tables(rope_inv_freq(local), config.context_length)
+        self.scale = config.attention_scale
         c = config
         self.split = [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim]
         self.heads = (c.num_heads, c.num_kv_heads, c.head_dim)
@@ -191,7 +223,8 @@ class DecoderBlock:
     def __call__(self, layer: LayerWeights, x: torch.Tensor, h: torch.Tensor, batch: ForwardBatch,
                  cache: KVCache, cache_layer: int, lora: dict[str, Any] | None = None) -> torch.Tensor:
         """x: the residual stream [tokens, hidden]; h: x after the layer's input norm. Adds the attention's
-        output to x in place and returns the MLP's output (for the caller to add, fused with the next norm).
+        output to x in place (Gemma: normed first) and returns the MLP's output (Gemma: normed too), for the caller to
+        add, fused with the next norm.
         K and V go to the cache's layer cache_layer. lora: the layer's LoRA stacks by fused matrix
         (LoraSlots.layers[i]), given when the batch carries adapter slots."""
         b, c, eps = self.backend, self.config, self.config.rms_norm_eps
@@ -205,20 +238,26 @@ class DecoderBlock:
             qkv[:, :q_size] = b.rms_norm(qkv[:, :q_size].reshape(-1, c.head_dim), layer.q_norm, eps).view(n, -1)
             k_cols = slice(q_size, q_size + kv_size)
             qkv[:, k_cols] = b.rms_norm(qkv[:, k_cols].reshape(-1, c.head_dim), layer.k_norm, eps).view(n, -1)
-        q = b.rope_and_cache(qkv, self.heads, batch, self.cos, self.sin, cache, cache_layer)
-        attn = b.attention(q, cache, cache_layer, batch, self.scale).reshape(n, -1)
+        cos, sin = (self.local_cos, self.local_sin) if layer.window else (self.cos, self.sin)
+        q = b.rope_and_cache(qkv, self.heads, batch, cos, sin, cache, cache_layer)
+        attn = b.attention(q, cache, cache_layer, batch, self.scale, window=layer.window,
+                           softcap=c.attn_logit_softcap).reshape(n, -1)
         o = b.linear(layer.o, attn)
         if lora:
             self.add_lora(lora, "o", o, attn, batch)
+        if layer.attn_out_norm is not None:
+            o = b.rms_norm(o, layer.attn_out_norm, eps)
         h = b.add_rms_norm(x, o, layer.post_norm, eps)
-        # SwiGLU MLP
+        # gated MLP: SwiGLU, or GeGLU (Gemma)
         gate_up = b.linear(layer.gate_up, h)
         if lora:
             self.add_lora(lora, "gate_up", gate_up, h, batch)
-        act = b.swiglu(gate_up)
+        act = b.geglu(gate_up) if c.hidden_act == "gelu_tanh" else b.swiglu(gate_up)
         down = b.linear(layer.down, act)
         if lora:
             self.add_lora(lora, "down", down, act, batch)
+        if layer.mlp_out_norm is not None:
+            down = b.rms_norm(down, layer.mlp_out_norm, eps)
         return down
 
     def add_lora(self, lora: dict[str, Any], matrix: str, y: torch.Tensor, x: torch.Tensor,

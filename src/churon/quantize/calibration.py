@@ -130,7 +130,8 @@ def calibrate_layerwise(
     batches = [ForwardBatch.build([SequenceChunk(list(w), 0, cache.block_table, need_logits=False)], cache.block_size)
                for w in windows]
     embeddings = tensors.read("token_embd.weight")
-    residuals = [embeddings[batch.input_ids] for batch in batches]
+    scale = c.hidden_size**0.5 if c.scale_embeddings else 1.0  # Transformer.hidden_states' (Gemma)
+    residuals = [embeddings[batch.input_ids] * scale for batch in batches]
     del embeddings
 
     def run_block(i: int) -> dict[str, ActivationStats]:  # its locals go when it returns

@@ -95,7 +95,7 @@ class SourceTensors:
     def _canonical_name(self, name: str) -> str:
         if isinstance(self.source, HFModel):
             return self._canonical.get(name, name)
-        return canonical_name(name) or name
+        return canonical_name(name, self.source.config.architecture) or name
 
     def _merged(self, name: str, w: torch.Tensor) -> torch.Tensor:
         """w (Hugging Face's row order) with the adapter's product added, if it targets tensor `name`."""
