@@ -31,6 +31,19 @@ CHATML_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+# Gemma's own template (text only), for GGUFs that carry none (Gemma 3 270M's): a system message opens the
+# first user turn, the assistant's turns are the model's. llama.cpp's built-in "gemma" template renders the same.
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% if messages and messages[0]['role'] == 'system' %}"
+    "{% set prefix = messages[0]['content'] + '\n\n' %}{% set turns = messages[1:] %}"
+    "{% else %}{% set prefix = '' %}{% set turns = messages %}{% endif %}"
+    "{% for message in turns %}"
+    "{{ '<start_of_turn>' + ('model' if message['role'] == 'assistant' else message['role']) + '\n' }}"
+    "{{ (prefix if loop.first else '') + message['content'] | trim }}<end_of_turn>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)
 RENDER_TIMEOUT_SECONDS = 2.0  # real templates render a conversation in milliseconds
 MAX_RENDERED_CHARS = 1 << 24  # 16 Mi characters; a 128k-token context holds about 0.5 Mi of ordinary text
 MAX_INT_BITS = 1 << 16  # an integer a template computes (`**`, `*`) is at most this wide

@@ -19,7 +19,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from churon.errors import ModelFileError
 from churon.tokenizer.byte_level import SPM_SPACE, byte_level_to_bytes
-from churon.tokenizer.chat_template import CHATML_TEMPLATE, ChatTemplate, ChatTemplateError
+from churon.tokenizer.chat_template import CHATML_TEMPLATE, GEMMA_TEMPLATE, ChatTemplate, ChatTemplateError
 
 
 class Tokenizer:
@@ -209,15 +209,21 @@ class Tokenizer:
         variables.update(kwargs)
         return self._chat_template().render(messages, add_generation_prompt, **variables)
 
+    def _fallback_template(self) -> str:
+        """For a model file without a template, the one its turn tokens say: ChatML's or Gemma's."""
+        for template, tokens in ((CHATML_TEMPLATE, ("<|im_start|>", "<|im_end|>")),
+                                 (GEMMA_TEMPLATE, ("<start_of_turn>", "<end_of_turn>"))):
+            if all(self._hf.token_to_id(t) is not None for t in tokens):
+                return template
+        raise ChatTemplateError(
+            f"{self._source}: the model has no chat template (and neither <|im_start|>/<|im_end|> nor"
+            " <start_of_turn>/<end_of_turn> tokens for a ChatML or Gemma fallback); use plain completion instead"
+        )
+
     def _chat_template(self) -> ChatTemplate:
         if self._template is None:
             text = self._chat_template_text
             if text is None:
-                if self._hf.token_to_id("<|im_start|>") is None or self._hf.token_to_id("<|im_end|>") is None:
-                    raise ChatTemplateError(
-                        f"{self._source}: the model has no chat template (and no <|im_start|>/<|im_end|> tokens "
-                        "for a ChatML fallback); use plain completion instead"
-                    )
-                text = CHATML_TEMPLATE
+                text = self._fallback_template()
             self._template = ChatTemplate(text, self._source)
         return self._template
