@@ -479,7 +479,13 @@ def _bytes_by_type(m) -> Counter:
 
 
 def _quant_type(m) -> str:
-    """The type holding most of the weight bytes (a file's 'Q4_1' even if norms are F32)."""
+    """The file type a GGUF declares (llama.cpp's: Gemma 3's 'Q4_K_M', whose embedding is Q8_0), else the type
+    holding most of the weight bytes (a file's 'Q4_1' even if norms are F32)."""
+    from gguf import LlamaFileType
+
+    declared = m.config.extra.get("file_type")
+    if isinstance(declared, int) and declared in LlamaFileType._value2member_map_:
+        return LlamaFileType(declared).name.removeprefix("MOSTLY_").removeprefix("ALL_")
     by_type = _bytes_by_type(m)
     return by_type.most_common(1)[0][0] if by_type else "?"
 
@@ -528,6 +534,7 @@ def cmd_inspect(args) -> int:
         ("RoPE", rope),
         ("QKV bias", c.attention_bias),
         ("QK norm", c.qk_norm),
+        *_family_fields(c),
         ("tied embeddings", c.tie_word_embeddings),
         *([("pooling", _pooling(m.pooling))] if m.pooling is not None else []),  # a decoder made to embed
         ("parameters", f"{params:,} ({params / 1e6:.1f} M)"),
@@ -549,6 +556,26 @@ def cmd_inspect(args) -> int:
     _print_native_layouts(m)
     _print_tensors(m, args)
     return 0
+
+
+def _family_fields(c) -> list[tuple[str, object]]:
+    """What a family changes in the Llama layer, each line only where the model has it."""
+    fields: list[tuple[str, object]] = [("MLP", "GeGLU (tanh GELU)" if c.hidden_act == "gelu_tanh" else "SwiGLU")]
+    windowed = [w for w in c.layer_windows if w]
+    if windowed:
+        local = f", RoPE theta {c.rope_local_theta:g} there" if c.rope_local_theta is not None else ""
+        sizes = "/".join(str(w) for w in sorted(set(windowed)))
+        fields.append(("sliding window", f"{len(windowed)} of {c.num_layers} layers see the last {sizes} positions{local}"))
+    if c.sandwich_norms:
+        fields.append(("norms", "before and after attention and the MLP"))
+    if c.scale_embeddings:
+        fields.append(("embedding scale", f"sqrt({c.hidden_size}) = {c.hidden_size**0.5:.4g}"))
+    if c.query_pre_attn_scalar is not None:
+        fields.append(("query scale", f"1/sqrt({c.query_pre_attn_scalar:g})"))
+    caps = [f"{what} {cap:g}" for what, cap in (("attention", c.attn_logit_softcap), ("logits", c.final_logit_softcap)) if cap]
+    if caps:
+        fields.append(("soft-caps", ", ".join(caps)))
+    return fields
 
 
 def _inspect_encoder(m, args) -> int:

@@ -70,6 +70,9 @@ def gguf_tensor_name(source: ModelSource, canonical: str) -> str:
     c = source.config
     if isinstance(c, EncoderConfig):
         return bert.gguf_name(canonical)
+    if c.architecture not in _GGUF_ARCHS:
+        raise UnsupportedModelError(f"{source.path}: churon cannot write a {c.architecture} directory as GGUF (it writes"
+                                    f" {', '.join(_GGUF_ARCHS)} and bert; a {c.architecture} GGUF it can requantize)")
     names = gguf.get_tensor_name_map(_GGUF_ARCHS[c.architecture], c.num_layers)
     hf_name = canonical if canonical == "lm_head.weight" else "model." + canonical
     name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
