@@ -16,7 +16,8 @@ Tolerances, and why:
     plus the tight bound.
   * float weights (F32/F16/BF16) and rms_norm/add_rms_norm: float32 sums in a different order
     than torch: 1e-5 relative to the sum of absolute terms.
-  * swiglu, softmax, attention: the kernels use their own vectorized exp (~2 ulp): 1e-5.
+  * swiglu, softmax, attention: the kernels use their own vectorized exp (~2 ulp) and, for attention's
+    soft-capping, tanh (~2 ulp): 1e-5.
 Determinism: threads 1 and 2 give bitwise-equal results; a row computed alone (M = 1) equals
 bitwise the same row computed inside a batch (M = 5, 17), for every kernel.
 """
@@ -572,43 +573,111 @@ def test_attention_decode_int8_cache(isa, threads, head_dim):
                              q.data_ptr(), 3, 6, 2, head_dim, 16, scale, table.shape[1], 0, "int8")
 
 
+class Cache:
+    """A paged cache pair of one kv_dtype, with a poison block (NaN) appended: block id `poison`, what the
+    table entries of blocks a row must not read point at. `kd`, `vd`: the values cached, in float64."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, kv_dtype: str):
+        nan = torch.full_like(k[:1], float("nan"))
+        k, v = torch.cat([k, nan]), torch.cat([v, nan])
+        self.kv_dtype, self.poison, self.block_size = kv_dtype, k.shape[0] - 1, k.shape[1]
+        self.scales = (0, 0)
+        if kv_dtype == "int8":
+            (k, ks), (v, vs) = quantize_int8(k.nan_to_num()), quantize_int8(v.nan_to_num())
+            ks[-1] = vs[-1] = float("nan")
+            self.ks, self.vs, self.scales = ks, vs, (ks.data_ptr(), vs.data_ptr())
+            self.kd, self.vd = k.double() * ks.double().unsqueeze(-1), v.double() * vs.double().unsqueeze(-1)
+        else:
+            k, v = k.to(getattr(torch, kv_dtype)), v.to(getattr(torch, kv_dtype))
+            self.kd, self.vd = k.double(), v.double()
+        self.k, self.v = k, v
+
+    def poisoned(self, table: torch.Tensor, lens: torch.Tensor, window: int) -> torch.Tensor:
+        """table with each row's entries for the blocks wholly before its window (which it must not read)
+        pointing at the poison block."""
+        table = table.clone()
+        for s, n in enumerate(lens.tolist()):
+            table[s, : max(0, n - window) // self.block_size if window else 0] = self.poison
+        return table
+
+    def attention(self, q: torch.Tensor, table: torch.Tensor, lens: torch.Tensor, scale: float, window: int = 0,
+                  softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        num_seqs, num_heads, head_dim = q.shape
+        out = torch.full((num_seqs, num_heads, head_dim), float("nan"))
+        cpu.attention_decode(q.data_ptr(), self.k.data_ptr(), self.v.data_ptr(), table.data_ptr(), lens.data_ptr(),
+                             out.data_ptr(), num_seqs, num_heads, self.k.shape[2], head_dim, self.block_size, scale,
+                             table.shape[1], 0, self.kv_dtype, *self.scales, window, softcap,
+                             sinks.data_ptr() if sinks is not None else 0)
+        return out
+
+
+# (window, softcap, sinks): a window of more than a partition, of one, of one position, of less than one, of
+# more than any length; each alone, then all three
+ATTN_OPTIONS = [(100, 0.0, False), (64, 0.0, False), (1, 0.0, False), (40, 0.0, False), (5000, 0.0, False),
+                (0, 2.0, False), (0, 0.0, True), (70, 2.0, True)]
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize("head_dim", [64, 40, 256])  # the vector path, the generic one, Gemma 3's
+def test_attention_decode_window_softcap_sinks(isa, threads, kv_dtype, head_dim):
+    # against exact attention with the same options, blocks before a window poisoned (NaN: one read shows);
+    # thread counts and a row alone bitwise the same
+    seq_lens = [1, 50, 64, 65, 129, 300, 700, 0]
+    k, v, table, lens = paged_cache(seq_lens, 2, head_dim, 16)
+    cache = Cache(k, v, kv_dtype)
+    n = len(seq_lens)
+    q = torch.randn(n, 6, head_dim, generator=torch.Generator().manual_seed(3)) * 2  # scores of a few units
+    sinks = torch.linspace(-3.0, 6.0, 6)  # below and above the largest scores
+    scale = head_dim**-0.5
+    plain = cache.attention(q, table, lens, scale)
+    for window, softcap, with_sinks in ATTN_OPTIONS:
+        opts = dict(window=window, softcap=softcap, sinks=sinks if with_sinks else None)
+        t = cache.poisoned(table, lens, window)
+        out = cache.attention(q, t, lens, scale, **opts)
+        want = truth.attention_decode(q.double(), cache.kd, cache.vd, t, lens, scale, **opts)
+        torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5, msg=lambda m: f"{opts}: {m}")
+        if window >= max(seq_lens) and not softcap and not with_sinks:
+            assert torch.equal(out, plain)  # a window past every length changes no bit
+        threads(1)
+        assert torch.equal(cache.attention(q, t, lens, scale, **opts), out)
+        threads(2)
+        for s in range(n):
+            alone = cache.attention(q[s : s + 1].contiguous(), t[s : s + 1].contiguous(), lens[s : s + 1], scale,
+                                    **opts)
+            assert torch.equal(alone, out[s : s + 1]), f"{opts}: row {s} alone"
+
+
+@pytest.mark.parametrize("options", [(0, 0.0, False), (100, 2.0, True)], ids=["plain", "window"])
 @pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16", "float16", "int8"])
 @pytest.mark.parametrize("head_dim", [64, 40])  # the vector path and the generic one
-def test_attention_decode_rows_of_one_sequence(isa, threads, kv_dtype, head_dim):
+def test_attention_decode_rows_of_one_sequence(isa, threads, kv_dtype, head_dim, options):
     # The rows of one sequence in a step (a prefill chunk, a speculative verification) read the same
     # block table and are computed together a group at a time: each must still equal exact attention
     # and be bitwise the row computed alone, whatever its group (runs longer than a group, lengths out
     # of order, a length-0 row, another sequence in between, one sharing only a prefix of the blocks).
+    # With a window the rows of a group begin at different positions too, each row's table points the
+    # blocks before its own window at poison, and a window can begin past another row's end.
+    window, softcap, with_sinks = options
     k, v, table, _ = paged_cache([300], 2, head_dim, 16)
     _, _, other, _ = paged_cache([300], 2, head_dim, 16, seed=1)
     shared = table.clone()
     shared[0, -1] = other[0, 0]  # the same blocks but the last (a prefix-cache hit)
-    lens = list(range(281, 300)) + [64, 0, 65, 300, 129, 299] + [200, 201] + [290, 291] + [5, 6]
-    tables = [table] * 25 + [shared] * 2 + [table] * 2 + [shared] * 2
+    lens = list(range(281, 300)) + [64, 0, 65, 300, 129, 299] + [200, 201] + [290, 291] + [5, 6] + [150, 260, 20]
+    tables = [table] * 25 + [shared] * 2 + [table] * 2 + [shared] * 2 + [table] * 3
     tables[19 + 3] = other  # the 300 of the run is another sequence
-    table = torch.cat(tables).contiguous()
+    cache = Cache(k, v, kv_dtype)
     n = len(lens)
     lens = torch.tensor(lens, dtype=torch.int32)
-    q = torch.randn(n, 6, head_dim) * 0.5
+    table = cache.poisoned(torch.cat(tables), lens, window)
+    q = torch.randn(n, 4, head_dim) * 0.5  # 2 heads a KV head: a kernel's batch of items spans rows
     scale = head_dim**-0.5
-    scales = (0, 0)
-    if kv_dtype == "int8":
-        (k, ks), (v, vs) = quantize_int8(k), quantize_int8(v)
-        scales = (ks.data_ptr(), vs.data_ptr())
-        kd, vd = k.double() * ks.double().unsqueeze(-1), v.double() * vs.double().unsqueeze(-1)
-    else:
-        k, v = k.to(getattr(torch, kv_dtype)), v.to(getattr(torch, kv_dtype))
-        kd, vd = k.double(), v.double()
+    opts = dict(window=window, softcap=softcap, sinks=torch.linspace(-2.0, 2.0, 4) if with_sinks else None)
 
     def run(rows):
-        out = torch.full((len(rows), 6, head_dim), float("nan"))
-        qr, tr, lr = q[rows].contiguous(), table[rows].contiguous(), lens[rows].contiguous()
-        cpu.attention_decode(qr.data_ptr(), k.data_ptr(), v.data_ptr(), tr.data_ptr(), lr.data_ptr(), out.data_ptr(),
-                             len(rows), 6, 2, head_dim, 16, scale, table.shape[1], 0, kv_dtype, *scales)
-        return out
+        return cache.attention(q[rows].contiguous(), table[rows].contiguous(), lens[rows].contiguous(), scale, **opts)
 
     out = run(list(range(n)))
-    want = truth.attention_decode(q.double(), kd, vd, table, lens, scale)
+    want = truth.attention_decode(q.double(), cache.kd, cache.vd, table, lens, scale, **opts)
     torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
     threads(1)
     for r in range(n):
@@ -632,6 +701,17 @@ def test_attention_rejects_bad_lengths():
     lens[0] = 33  # needs 3 blocks, the table has 2
     with pytest.raises(ValueError, match="does not fit"):
         run_attention(torch.randn(1, 1, 16), k, v, table, lens, 0.25)
+
+
+def test_attention_rejects_bad_options():
+    k, v, table, lens = paged_cache([20], 1, 16, 16)
+    cache = Cache(k, v, "float32")
+    q = torch.randn(1, 1, 16)
+    with pytest.raises(ValueError, match="window"):
+        cache.attention(q, table, lens, 0.25, window=-1)
+    for softcap in (-1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="softcap"):
+            cache.attention(q, table, lens, 0.25, softcap=softcap)
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
@@ -674,3 +754,24 @@ def test_ops_wrappers():
     q = torch.randn(2, 4, 16)
     torch.testing.assert_close(ops.attention_decode(q, k, v, table, lens, 0.25),
                                truth.attention_decode(q, k, v, table, lens, 0.25), rtol=1e-5, atol=1e-5)
+
+
+def test_ops_attention_decode_options():
+    from churon.kernels import ops
+
+    k, v, table, lens = paged_cache([3, 13, 30], 2, 16, 4)
+    q = torch.randn(3, 4, 16)
+    sinks = torch.randn(4)
+    opts = dict(window=6, softcap=5.0, sinks=sinks)
+    want = truth.attention_decode(q, k, v, table, lens, 0.25, **opts)
+    table[1, 0] = table[2, :6] = -1  # blocks wholly before the window: never read, so not checked
+    out = ops.attention_decode(q, k, v, table, lens, 0.25, **opts)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(out, Cache(k, v, "float32").attention(q, table, lens, 0.25, **opts))
+    table[2, 6] = -1  # holds position 24, the window's first of 30 - 6
+    with pytest.raises(ValueError, match="block id"):
+        ops.attention_decode(q, k, v, table, lens, 0.25, **opts)
+    with pytest.raises(ValueError, match="sinks"):
+        ops.attention_decode(q, k, v, table, lens, 0.25, sinks=torch.zeros(3))
+    with pytest.raises(ValueError, match="window"):
+        ops.attention_decode(q, k, v, table, lens, 0.25, window=-2)

@@ -37,7 +37,8 @@ The raw API (all tensors float32 and C-contiguous unless said; pointers are ints
     attention_decode(q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr, out_ptr,
                      num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale,
                      max_blocks_per_seq, q_stride=0, kv_dtype="float32",  # float32/float16/bfloat16/int8
-                     k_scale_ptr=0, v_scale_ptr=0)
+                     k_scale_ptr=0, v_scale_ptr=0, window=0, softcap=0.0,  # sliding window, soft-capping,
+                     sinks_ptr=0)                                    # sinks float32 [num_heads]
     attention_packed(qkv_ptr, seq_starts_ptr, out_ptr, tokens, n_seqs, heads, head_dim, scale,
                      row_stride=0)                                   # encoder attention over packed sequences:
                                                                      # q, k, v = qkv columns [0,H) [H,2H) [2H,3H);

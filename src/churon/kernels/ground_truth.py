@@ -192,7 +192,8 @@ def softmax(x: torch.Tensor) -> torch.Tensor:
 
 
 def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-                     seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                     seq_lens: torch.Tensor, scale: float, window: int = 0, softcap: float = 0.0,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One query token per sequence against a paged KV cache.
 
     q [num_seqs, num_heads, head_dim]; k_cache, v_cache [num_blocks, block_size, num_kv_heads,
@@ -200,6 +201,12 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     sequence s is in block block_table[s, t // block_size] at offset t % block_size. Query head h
     uses KV head h // (num_heads // num_kv_heads). Returns [num_seqs, num_heads, head_dim]
     (zeros for an empty sequence), in q's dtype (pass float64 for an exact reference).
+
+    window > 0: the query of a sequence of n tokens (at position n - 1) sees the keys at positions
+    max(0, n - window) .. n - 1 only, as Hugging Face's sliding-window mask (a key at distance >= window
+    is masked); the table's entries for blocks wholly before them are not looked at. softcap > 0: a
+    score s becomes softcap * tanh(s / softcap) (Gemma 2). sinks [num_heads]: per head a logit that
+    joins the softmax's denominator only, softmax([scores, sink])[:-1] @ values (gpt-oss).
     """
     num_seqs, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -209,14 +216,20 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         n = int(seq_lens[s])
         if n == 0:
             continue
-        t = torch.arange(n)
+        t = torch.arange(max(0, n - window) if window > 0 else 0, n)
         blocks = block_table[s, t // block_size].long()
         keys = k_cache[blocks, t % block_size].to(q.dtype)  # [n, kv_heads, head_dim]
         values = v_cache[blocks, t % block_size].to(q.dtype)
         for h in range(num_heads):
             kv = h // group
             scores = (keys[:, kv] @ q[s, h]) * scale  # [n]
-            out[s, h] = torch.softmax(scores, dim=0) @ values[:, kv]
+            if softcap > 0:
+                scores = softcap * torch.tanh(scores / softcap)
+            if sinks is None:
+                p = torch.softmax(scores, dim=0)
+            else:
+                p = torch.softmax(torch.cat([scores, sinks[h : h + 1].to(q.dtype)]), dim=0)[:-1]
+            out[s, h] = p @ values[:, kv]
     return out
 
 

@@ -245,9 +245,14 @@ def softmax(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
 
 
 def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-                     seq_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+                     seq_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None, window: int = 0,
+                     softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [num_seqs, num_heads, head_dim]; caches [num_blocks, block_size, num_kv_heads, head_dim]
-    (float32, float16 or bfloat16); block_table int32 [num_seqs, max_blocks]; seq_lens int32 [num_seqs]."""
+    (float32, float16 or bfloat16); block_table int32 [num_seqs, max_blocks]; seq_lens int32 [num_seqs].
+    window > 0: a sequence of n tokens reads its last min(n, window) positions only (the table's entries
+    for the blocks before them are not read, nor checked); softcap > 0: scores s -> softcap * tanh(s /
+    softcap); sinks float32 [num_heads]: logits in each head's softmax denominator only
+    (ground_truth.attention_decode)."""
     _check(q, "q")
     kv_dtype = _kv_dtype(k_cache, v_cache)
     _check(k_cache, "k_cache", k_cache.dtype)
@@ -262,15 +267,24 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         raise ValueError("block_table and seq_lens need one row per sequence")
     if num_seqs and int(seq_lens.min()) < 0:
         raise ValueError("seq_lens must not be negative")
-    # only the blocks a sequence uses must be valid; the rest of its row is padding
-    used = torch.arange(block_table.shape[1]) < ((seq_lens.long() + block_size - 1) // block_size).unsqueeze(1)
-    ids = block_table[used]
+    if window < 0 or not 0.0 <= softcap < float("inf"):
+        raise ValueError(f"window must be >= 0 and softcap finite and >= 0, got {window} and {softcap}")
+    if sinks is not None:
+        _check(sinks, "sinks")
+        if tuple(sinks.shape) != (num_heads,):
+            raise ValueError(f"sinks must have one logit per query head ({num_heads}), got shape {tuple(sinks.shape)}")
+    # only the blocks a sequence reads must be valid; the rest of its row is padding, or blocks before its window
+    lens = seq_lens.long().unsqueeze(1)
+    first = (lens - window).clamp(min=0) // block_size if window > 0 else torch.zeros_like(lens)
+    blocks = torch.arange(block_table.shape[1])
+    ids = block_table[(blocks >= first) & (blocks < (lens + block_size - 1) // block_size)]
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= k_cache.shape[0]):
         raise ValueError("block_table holds a block id outside the cache")
     out = _out(out, (num_seqs, num_heads, head_dim))
     _cpu().attention_decode(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_table.data_ptr(),
                             seq_lens.data_ptr(), out.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim,
-                            block_size, float(scale), block_table.shape[1], 0, kv_dtype)
+                            block_size, float(scale), block_table.shape[1], 0, kv_dtype, 0, 0, int(window),
+                            float(softcap), sinks.data_ptr() if sinks is not None else 0)
     return out
 
 

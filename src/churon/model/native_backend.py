@@ -136,8 +136,13 @@ class NativeBackend:
         self.cpu.swiglu(gate_up.data_ptr(), out.data_ptr(), gate_up.shape[0], n)
         return out
 
-    def attention(self, q: torch.Tensor, cache: KVCache, layer: int, batch: ForwardBatch, scale: float) -> torch.Tensor:
-        """Every query token attends on its own (its keys up to its position, through its sequence's block table)."""
+    def attention(self, q: torch.Tensor, cache: KVCache, layer: int, batch: ForwardBatch, scale: float,
+                  window: int = 0, softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """Every query token attends on its own (its keys up to its position, through its sequence's block table).
+
+        window > 0: only its last `window` keys (blocks wholly before them are not read); softcap > 0: scores
+        s -> softcap * tanh(s / softcap); sinks float32 [heads], contiguous: per head a logit in the softmax's
+        denominator only."""
         m, heads, head_dim = q.shape
         out = torch.empty(m, heads, head_dim)
         tables = batch.token_block_tables
@@ -145,6 +150,7 @@ class NativeBackend:
             q.data_ptr(), cache.k[layer].data_ptr(), cache.v[layer].data_ptr(), tables.data_ptr(),
             batch.token_context_lens.data_ptr(), out.data_ptr(), m, heads, cache.k.shape[3], head_dim,
             cache.block_size, scale, tables.shape[1], q.stride(0), cache.dtype_name, *_scale_ptrs(cache, layer),
+            window, softcap, sinks.data_ptr() if sinks is not None else 0,
         )
         return out
 

@@ -91,6 +91,8 @@ enum KvDtype : int { kKvF32 = 0, kKvF16 = 1, kKvBF16 = 2, kKvI8 = 3 };
 // consecutive query rows that read the same cache (the tokens of one sequence in a step: a prefill
 // chunk, a speculative verification): a task reads a partition once for all of its rows. Which
 // group a row is in changes nothing it computes. A driver runs num_groups * max_parts tasks.
+// A row of length len reads positions [attn_first, len): all of them, or with a sliding window the
+// last `window` (a key at distance >= window from the query, at position len - 1, is masked).
 constexpr int64_t kAttnGroupRows = 16;
 
 struct AttnArgs {
@@ -105,13 +107,25 @@ struct AttnArgs {
   float* out;                // [num_seqs, num_heads * head_dim]
   int64_t num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_blocks, q_stride;
   float scale;
+  int64_t window;            // sliding window in positions, 0: none
+  float softcap;             // 0: none; else a score s becomes softcap * tanh(s / softcap) (Gemma 2)
+  const float* sinks;        // null: none; else [num_heads] logits that join each head's softmax
+                             // denominator only (gpt-oss's attention sinks)
   int64_t part_tokens;       // tokens per partition (fixed, independent of thread count)
   int64_t max_parts;         // partitions of the longest sequence
   float* partial;            // [num_seqs, num_heads, max_parts, head_dim + 2]: o[head_dim], max, sum
   const int64_t* groups;     // [num_groups + 1]: group g is rows [groups[g], groups[g + 1])
-  const int64_t* group_table;  // [num_groups]: the row of g whose block table covers every row of g (its longest)
+  // [num_groups, max_blocks]: the id of every block some row of g reads (they agree on it); the
+  // entries of blocks no row of g reads are undefined
+  const int32_t* group_blocks;
+  const int64_t* group_span;  // [num_groups, 2]: the positions the rows of g read, [first, end), one run
   int64_t num_groups;
 };
+
+// the first position row seq reads (its window's first, or 0)
+static inline int64_t attn_first(const AttnArgs& a, int64_t seq) {
+  return a.window > 0 && a.seq_lens[seq] > a.window ? a.seq_lens[seq] - a.window : 0;
+}
 
 // Encoder attention over sequences packed back to back (attention_packed): every query row of a
 // sequence against all of that sequence's rows. A task is one head of one block of at most

@@ -486,21 +486,29 @@ inline simd::V gelu_erf_v(simd::V x) {
   using namespace simd;
   return mul(mul(x, set1(0.5f)), erfc(mul(x, set1(-0.707106781186547524f))));
 }
+
+// out[i] = f(x[i]) for n values (out may be x), every one through the same vector function (a short
+// tail padded to a whole vector), so its result depends on its value alone, not on where it sits
+template <class F>
+inline void map_v(const float* x, float* out, int64_t n, F f) {
+  using namespace simd;
+  int64_t i = 0;
+  for (; i + kW <= n; i += kW) storeu(out + i, f(loadu(x + i)));
+  if (i < n) {
+    float buf[kW] = {};
+    std::memcpy(buf, x + i, size_t(n - i) * 4);
+    storeu(buf, f(loadu(buf)));
+    std::memcpy(out + i, buf, size_t(n - i) * 4);
+  }
+}
 #endif
 
-// Every element through the same vector function (a short tail padded to a whole vector), so
-// its result depends on its value alone, not on where it sits.
 void gelu(const float* x, float* out, int64_t i0, int64_t i1, bool tanh) {
 #if defined(K_SIMD)
-  using namespace simd;
-  int64_t i = i0;
-  for (; i + kW <= i1; i += kW) storeu(out + i, tanh ? gelu_tanh_v(loadu(x + i)) : gelu_erf_v(loadu(x + i)));
-  if (i < i1) {
-    float buf[kW] = {};
-    std::memcpy(buf, x + i, size_t(i1 - i) * 4);
-    storeu(buf, tanh ? gelu_tanh_v(loadu(buf)) : gelu_erf_v(loadu(buf)));
-    std::memcpy(out + i, buf, size_t(i1 - i) * 4);
-  }
+  if (tanh)
+    map_v(x + i0, out + i0, i1 - i0, [](simd::V v) { return gelu_tanh_v(v); });
+  else
+    map_v(x + i0, out + i0, i1 - i0, [](simd::V v) { return gelu_erf_v(v); });
 #else
   for (int64_t i = i0; i < i1; ++i) {
     const float v = x[i];
@@ -657,8 +665,21 @@ inline float* partial_of(const AttnArgs& a, int64_t seq, int64_t head, int64_t p
   return a.partial + ((seq * a.num_heads + head) * a.max_parts + part) * (a.head_dim + 2);
 }
 
-// softmax statistics of one head's scores sc[0..n) into its partial; sc becomes exp(s - max)
+// s -> cap * tanh(s / cap) for n scores in place (Gemma 2's soft-capping)
+inline void softcap_scores(float* s, int64_t n, float cap) {
+#if defined(K_SIMD)
+  using namespace simd;
+  const V c = set1(cap);
+  map_v(s, s, n, [c](V v) { return mul(c, tanh(div(v, c))); });
+#else
+  for (int64_t k = 0; k < n; ++k) s[k] = cap * std::tanh(s[k] / cap);
+#endif
+}
+
+// softmax statistics of one head's scores sc[0..n) (soft-capped first where the call asks) into its
+// partial; sc becomes exp(s - max)
 inline void head_softmax(const AttnArgs& a, int64_t seq, int64_t head, int64_t part, float* sc, int64_t n) {
+  if (a.softcap > 0.0f) softcap_scores(sc, n, a.softcap);
   const float mx = row_max(sc, n);
   float* po = partial_of(a, seq, head, part);
   po[a.head_dim] = mx;
@@ -689,13 +710,16 @@ inline const float* kv_row_f32(const AttnArgs& a, const void* cache, const float
   return tmp;
 }
 
-// any head_dim: dot / axpy helpers, the output accumulated in scratch
+// any head_dim: dot / axpy helpers, the output accumulated in scratch; positions [s0, s1) of the
+// partition, those the row reads
 void attn_part_generic(const AttnArgs& a, int64_t seq, int64_t part, float* scores, float* acc) {
   float* tmp = acc + a.head_dim;  // one converted cache row
   const int64_t G = a.num_heads / a.num_kv_heads;
   const int64_t hd = a.head_dim;
   const int64_t P = a.part_tokens;
-  const int64_t s0 = part * P, s1 = imin<int64_t>(a.seq_lens[seq], s0 + P), n = s1 - s0;
+  const int64_t s0 = imax(part * P, attn_first(a, seq)), s1 = imin<int64_t>(a.seq_lens[seq], part * P + P);
+  const int64_t n = s1 - s0;
+  if (n <= 0) return;
   const int32_t* bt = a.block_table + seq * a.max_blocks;
   const float* q = a.q + seq * a.q_stride;
   int64_t rows[kMaxPartTokens];
@@ -722,39 +746,45 @@ void attn_part_generic(const AttnArgs& a, int64_t seq, int64_t part, float* scor
 void attn_partial(const AttnArgs& a, int64_t t0, int64_t t1, float* scratch) {
   for (int64_t task = t0; task < t1; ++task) {
     const int64_t g = task / a.max_parts, part = task % a.max_parts;
-    if (part * a.part_tokens >= a.seq_lens[a.group_table[g]]) continue;  // past the group's longest row
+    // outside the positions the group reads: past its longest row, or before every row's window
+    // (a window's work is O(window), whatever the context)
+    if (part * a.part_tokens >= a.group_span[2 * g + 1] || (part + 1) * a.part_tokens <= a.group_span[2 * g])
+      continue;
 #if defined(K_AVX512)
     if (attn_group_avx512(a, g, part, scratch)) continue;
 #endif
     float* scores = scratch;                             // [num_heads][part_tokens]
     float* acc = scratch + a.num_heads * a.part_tokens;  // [2][head_dim]
-    for (int64_t seq = a.groups[g]; seq < a.groups[g + 1]; ++seq)
-      if (part * a.part_tokens < a.seq_lens[seq]) attn_part_generic(a, seq, part, scores, acc);
+    for (int64_t seq = a.groups[g]; seq < a.groups[g + 1]; ++seq) attn_part_generic(a, seq, part, scores, acc);
   }
 }
 
+// the partitions [p0, nparts) a row reads merged in order; a sink logit joins the max and the sum
 void attn_combine(const AttnArgs& a, int64_t t0, int64_t t1) {
   const int64_t hd = a.head_dim;
   for (int64_t task = t0; task < t1; ++task) {  // task = seq * num_heads + head
     const int64_t seq = task / a.num_heads;
     const int64_t len = a.seq_lens[seq];
     float* out = a.out + task * hd;
+    const int64_t p0 = attn_first(a, seq) / a.part_tokens;
     const int64_t nparts = (len + a.part_tokens - 1) / a.part_tokens;
     const float* base = a.partial + task * a.max_parts * (hd + 2);
     if (nparts <= 0) {
       for (int64_t i = 0; i < hd; ++i) out[i] = 0.0f;
       continue;
     }
-    if (nparts == 1) {
-      const float inv = 1.0f / base[hd + 1];
-      for (int64_t i = 0; i < hd; ++i) out[i] = base[i] * inv;
+    if (nparts - p0 == 1 && !a.sinks) {
+      const float* po = base + p0 * (hd + 2);
+      const float inv = 1.0f / po[hd + 1];
+      for (int64_t i = 0; i < hd; ++i) out[i] = po[i] * inv;
       continue;
     }
-    float mx = -INFINITY;
-    for (int64_t p = 0; p < nparts; ++p) mx = imax(mx, base[p * (hd + 2) + hd]);
-    float total = 0.0f;
+    const float sink = a.sinks ? a.sinks[task % a.num_heads] : -INFINITY;
+    float mx = sink;
+    for (int64_t p = p0; p < nparts; ++p) mx = imax(mx, base[p * (hd + 2) + hd]);
+    float total = a.sinks ? std::exp(sink - mx) : 0.0f;
     for (int64_t i = 0; i < hd; ++i) out[i] = 0.0f;
-    for (int64_t p = 0; p < nparts; ++p) {
+    for (int64_t p = p0; p < nparts; ++p) {
       const float* po = base + p * (hd + 2);
       const float f = std::exp(po[hd] - mx);
       total = total + f * po[hd + 1];

@@ -78,11 +78,14 @@ PYBIND11_MODULE(_cpu, m) {
         py::arg("block_table_ptr"), py::arg("seq_lens_ptr"), py::arg("out_ptr"), py::arg("num_seqs"),
         py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("block_size"),
         py::arg("scale"), py::arg("max_blocks_per_seq"), py::arg("q_stride") = 0, py::arg("kv_dtype") = "float32",
-        py::arg("k_scale_ptr") = 0, py::arg("v_scale_ptr") = 0,
+        py::arg("k_scale_ptr") = 0, py::arg("v_scale_ptr") = 0, py::arg("window") = 0, py::arg("softcap") = 0.0,
+        py::arg("sinks_ptr") = 0,
         "One query token per sequence against a paged KV cache [num_blocks, block_size, num_kv_heads, head_dim]"
         " of kv_dtype ('float32', 'float16', 'bfloat16', 'int8' with float32 scales [slots, num_kv_heads]); block_table int32 [num_seqs, max_blocks_per_seq],"
         " seq_lens int32 [num_seqs]; out float32 [num_seqs, num_heads * head_dim]; q rows q_stride floats"
-        " apart (0: packed).");
+        " apart (0: packed). window > 0: a row of length len reads positions [max(0, len - window), len) only (its"
+        " table's entries for blocks wholly before them are not read); softcap > 0: scores s become softcap *"
+        " tanh(s / softcap); sinks_ptr: float32 [num_heads] logits in each head's softmax denominator only.");
   m.def("attention_packed", &attention_packed, py::arg("qkv_ptr"), py::arg("seq_starts_ptr"), py::arg("out_ptr"),
         py::arg("tokens"), py::arg("n_seqs"), py::arg("heads"), py::arg("head_dim"), py::arg("scale"),
         py::arg("row_stride") = 0,

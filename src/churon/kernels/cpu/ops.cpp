@@ -63,7 +63,8 @@ constexpr int64_t kAttnPartTokens = 64;
 
 // attention partials and per-thread scratch (calls are serialized by the GIL)
 Buffer g_attn_buf;
-std::vector<int64_t> g_attn_groups, g_attn_group_table;  // attention_decode's row groups (AttnArgs)
+std::vector<int64_t> g_attn_groups, g_attn_group_span;  // attention_decode's row groups (AttnArgs)
+std::vector<int32_t> g_attn_group_blocks;
 Buffer g_packed_buf;  // attention_packed: its blocks, then per-thread scratch
 
 constexpr int64_t kGeluChunk = 1 << 13;  // values per parallel GELU item
@@ -189,13 +190,17 @@ void softmax(uintptr_t xp, uintptr_t outp, int64_t m, int64_t n) {
 void attention_decode(uintptr_t qp, uintptr_t kp, uintptr_t vp, uintptr_t btp, uintptr_t slp, uintptr_t outp,
                       int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                       int64_t block_size, double scale, int64_t max_blocks, int64_t q_stride,
-                      const std::string& kv_dtype, uintptr_t ksp, uintptr_t vsp) {
+                      const std::string& kv_dtype, uintptr_t ksp, uintptr_t vsp, int64_t window, double softcap,
+                      uintptr_t sinksp) {
   const int dt = kv_dtype_of(kv_dtype, "attention_decode");
   if (num_seqs <= 0) return;
   if (num_heads <= 0 || num_kv_heads <= 0 || num_heads % num_kv_heads)
     throw std::invalid_argument("attention_decode: num_heads must be a positive multiple of num_kv_heads");
   if (head_dim <= 0 || block_size <= 0 || max_blocks <= 0)
     throw std::invalid_argument("attention_decode: head_dim, block_size and max_blocks_per_seq must be positive");
+  if (window < 0) throw std::invalid_argument("attention_decode: window must be >= 0, got " + std::to_string(window));
+  if (!(softcap >= 0.0 && std::isfinite(softcap)))
+    throw std::invalid_argument("attention_decode: softcap must be finite and >= 0, got " + std::to_string(softcap));
   AttnArgs a;
   a.q = ptr<const float>(qp, "attention_decode: q");
   a.k_cache = ptr<const void>(kp, "attention_decode: k_cache");
@@ -214,6 +219,9 @@ void attention_decode(uintptr_t qp, uintptr_t kp, uintptr_t vp, uintptr_t btp, u
   a.max_blocks = max_blocks;
   a.q_stride = q_stride ? q_stride : num_heads * head_dim;
   a.scale = float(scale);
+  a.window = window;
+  a.softcap = float(softcap);
+  a.sinks = sinksp ? reinterpret_cast<const float*>(sinksp) : nullptr;
   a.part_tokens = kAttnPartTokens;
   int64_t max_len = 0;
   for (int64_t s = 0; s < num_seqs; ++s) {
@@ -225,28 +233,44 @@ void attention_decode(uintptr_t qp, uintptr_t kp, uintptr_t vp, uintptr_t btp, u
     max_len = std::max(max_len, len);
   }
   a.max_parts = std::max<int64_t>(1, (max_len + a.part_tokens - 1) / a.part_tokens);
-  // groups: runs of consecutive rows whose block tables agree over the blocks each row reads (the
-  // rows of one sequence), at most kAttnGroupRows a group. Every row agrees with its group's longest.
+  // groups: runs of consecutive rows (the rows of one sequence), at most kAttnGroupRows a group, whose
+  // positions read make one run (a row's window may begin after another's end) and whose block tables
+  // agree over the blocks two of them read. A group's table is made of its rows' entries for the blocks
+  // each reads: entries of other blocks (before a window, past a length) may be garbage, never read.
   g_attn_groups.clear();
-  g_attn_group_table.clear();
-  g_attn_groups.push_back(0);
-  g_attn_group_table.push_back(0);
-  for (int64_t s = 1; s < num_seqs; ++s) {
-    const int64_t first = g_attn_groups.back(), longest = g_attn_group_table.back();
-    const int64_t len = std::max(a.seq_lens[s], a.seq_lens[longest]);
-    const size_t blocks = size_t((len + block_size - 1) / block_size);
-    if (s - first < kAttnGroupRows &&
-        !std::memcmp(a.block_table + s * max_blocks, a.block_table + longest * max_blocks, blocks * 4)) {
-      if (a.seq_lens[s] > a.seq_lens[longest]) g_attn_group_table.back() = s;
-      continue;
+  g_attn_group_span.clear();
+  g_attn_group_blocks.resize(size_t(num_seqs * max_blocks));
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t lo = attn_first(a, s), hi = a.seq_lens[s];
+    const int64_t b0 = lo / block_size, b1 = (hi + block_size - 1) / block_size;  // the blocks s reads
+    const int32_t* bt = a.block_table + s * max_blocks;
+    const int64_t g = int64_t(g_attn_groups.size()) - 1;
+    bool join = g >= 0 && s - g_attn_groups[g] < kAttnGroupRows;
+    if (join && hi > 0) {  // a row that reads nothing joins any group
+      int64_t& glo = g_attn_group_span[2 * g];
+      int64_t& ghi = g_attn_group_span[2 * g + 1];
+      int32_t* gb = g_attn_group_blocks.data() + g * max_blocks;
+      if (ghi > 0) {  // the group reads some positions: s's must touch them, its blocks agree
+        const int64_t c0 = std::max(b0, glo / block_size), c1 = std::min(b1, (ghi + block_size - 1) / block_size);
+        join = lo <= ghi && hi >= glo && (c1 <= c0 || !std::memcmp(bt + c0, gb + c0, size_t(c1 - c0) * 4));
+      }
+      if (join) {
+        std::memcpy(gb + b0, bt + b0, size_t(b1 - b0) * 4);
+        glo = ghi > 0 ? std::min(glo, lo) : lo;
+        ghi = std::max(ghi, hi);
+      }
     }
+    if (join) continue;
     g_attn_groups.push_back(s);
-    g_attn_group_table.push_back(s);
+    g_attn_group_span.push_back(lo);
+    g_attn_group_span.push_back(hi);
+    std::memcpy(g_attn_group_blocks.data() + (g + 1) * max_blocks + b0, bt + b0, size_t(b1 - b0) * 4);
   }
-  a.num_groups = int64_t(g_attn_group_table.size());
+  a.num_groups = int64_t(g_attn_group_span.size()) / 2;
   g_attn_groups.push_back(num_seqs);
   a.groups = g_attn_groups.data();
-  a.group_table = g_attn_group_table.data();
+  a.group_blocks = g_attn_group_blocks.data();
+  a.group_span = g_attn_group_span.data();
   const int64_t partial_floats = num_seqs * num_heads * a.max_parts * (head_dim + 2);
   const int64_t per_thread = (attn_scratch_floats(a) + 15) / 16 * 16;
   const int nthreads = get_num_threads();

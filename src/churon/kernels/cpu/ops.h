@@ -32,7 +32,8 @@ void softmax(uintptr_t xp, uintptr_t outp, int64_t m, int64_t n);
 void attention_decode(uintptr_t qp, uintptr_t kp, uintptr_t vp, uintptr_t btp, uintptr_t slp, uintptr_t outp,
                       int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                       int64_t block_size, double scale, int64_t max_blocks, int64_t q_stride,
-                      const std::string& kv_dtype, uintptr_t ksp, uintptr_t vsp);
+                      const std::string& kv_dtype, uintptr_t ksp, uintptr_t vsp, int64_t window, double softcap,
+                      uintptr_t sinksp);
 
 // bidirectional attention of every row of qkv [tokens, row_stride] over the rows of its own sequence,
 // sequences packed back to back (seq_starts int64 [n_seqs + 1]: 0, ..., tokens); out [tokens, heads * head_dim]

@@ -200,6 +200,21 @@ inline V exp(V x) {
   return exp_scale(p, n);
 }
 
+// tanh, cephes tanhf (~2 ulp): x + x^3 p(x^2) for |x| < 0.625 (no cancellation near 0), beyond it
+// sign(x) (1 - 2 / (exp(2|x|) + 1)), which exp's clamp takes to exactly +-1 for large |x|
+inline V tanh(V x) {
+  const V ax = abs(x);
+  const V s = mul(x, x);
+  V p = set1(-5.70498872745e-3f);
+  p = fmadd(p, s, set1(2.06390887954e-2f));
+  p = fmadd(p, s, set1(-5.37397155531e-2f));
+  p = fmadd(p, s, set1(1.33314422036e-1f));
+  p = fmadd(p, s, set1(-3.33332819422e-1f));
+  const V near0 = fmadd(mul(p, s), x, x);
+  const V t = sub(set1(1.0f), div(set1(2.0f), add(exp(add(ax, ax)), set1(1.0f))));
+  return select_lt(ax, set1(0.625f), near0, select_lt(x, zero(), sub(zero(), t), t));
+}
+
 // erfc, ~1 ulp of erf's scale everywhere and ~2e-6 relative on the negative-argument side of GELU,
 // where 1 + erf(x) = erfc(-x) would otherwise cancel. |x| < 0.9277: 1 - (x + x r(x^2)); beyond,
 // e = exp(p(|x|)) with p a fit of log erfc on [0.9277, 4] (Chebyshev nodes, float32 Horner checked
