@@ -463,6 +463,28 @@ def test_swiglu(isa, threads):
         assert torch.equal(one, out)
 
 
+def test_geglu(isa, threads):
+    # the gate's GELU is the gelu kernel's own: test_encoder_kernels' gelu tolerance, times |up|, plus the product's
+    # rounding
+    for m, n in [(1, 1536), (3, 37), (30, 1536)]:
+        gu = activations(m, 2 * n) * 4
+        gu[0, :4] = torch.tensor([-100.0, 100.0, -1e-8, 0.0])
+        out = torch.empty(m, n)
+        cpu.geglu(gu.data_ptr(), out.data_ptr(), m, n)
+        gate, up = gu.double().chunk(2, dim=-1)
+        want = truth.geglu(gu.double())
+        bound = (5e-6 * truth.gelu(gate, "tanh").abs() + 5e-8) * up.abs() + 6e-8 * want.abs()
+        assert bool(((out.double() - want).abs() <= bound).all())
+        threads(1)
+        one = torch.empty(m, n)
+        cpu.geglu(gu.data_ptr(), one.data_ptr(), m, n)
+        threads(2)
+        assert torch.equal(one, out)
+        row = torch.empty(1, n)
+        cpu.geglu(gu[m - 1 :].data_ptr(), row.data_ptr(), 1, n)
+        assert torch.equal(row, out[m - 1 :])
+
+
 def test_softmax(isa):
     for m, n in [(1, 1), (4, 33), (5, 49152)]:
         x = activations(m, n) * 10
@@ -754,6 +776,9 @@ def test_ops_wrappers():
     q = torch.randn(2, 4, 16)
     torch.testing.assert_close(ops.attention_decode(q, k, v, table, lens, 0.25),
                                truth.attention_decode(q, k, v, table, lens, 0.25), rtol=1e-5, atol=1e-5)
+    gu = activations(3, 64)
+    assert torch.equal(ops.geglu(gu), ops.geglu(gu.reshape(3, 1, 64)).reshape(3, 32))
+    torch.testing.assert_close(ops.geglu(gu), truth.geglu(gu), rtol=1e-5, atol=1e-6)
 
 
 def test_ops_attention_decode_options():

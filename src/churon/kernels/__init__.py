@@ -33,6 +33,7 @@ The raw API (all tensors float32 and C-contiguous unless said; pointers are ints
                                                                      # residual_ptr 0: none; inputs not written
     gelu(x_ptr, out_ptr, n, approximate="none")                      # "none" (erf) or "tanh"
     swiglu(gate_up_ptr, out_ptr, m, n)
+    geglu(gate_up_ptr, out_ptr, m, n)                                # gelu(gate, approximate="tanh") * up
     softmax(x_ptr, out_ptr, m, n)
     attention_decode(q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr, out_ptr,
                      num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale,

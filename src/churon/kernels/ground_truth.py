@@ -187,6 +187,12 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def geglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """gelu(gate, approximate="tanh") * up for gate_up [m, 2n] = [gate | up] (Gemma's MLP)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
 def softmax(x: torch.Tensor) -> torch.Tensor:
     return torch.softmax(x, dim=-1)
 

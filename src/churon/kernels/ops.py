@@ -236,6 +236,15 @@ def swiglu(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
     return out
 
 
+def geglu(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """gelu(gate, approximate="tanh") * up for gate_up [..., 2n] = [gate | up]."""
+    _check(gate_up, "gate_up")
+    n = gate_up.shape[-1] // 2
+    out = _out(out, tuple(gate_up.shape[:-1]) + (n,))
+    _cpu().geglu(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * n), n)
+    return out
+
+
 def softmax(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     _check(x, "x")
     n = x.shape[-1]

@@ -136,6 +136,12 @@ class NativeBackend:
         self.cpu.swiglu(gate_up.data_ptr(), out.data_ptr(), gate_up.shape[0], n)
         return out
 
+    def geglu(self, gate_up: torch.Tensor) -> torch.Tensor:
+        n = gate_up.shape[-1] // 2
+        out = torch.empty(gate_up.shape[0], n)
+        self.cpu.geglu(gate_up.data_ptr(), out.data_ptr(), gate_up.shape[0], n)
+        return out
+
     def attention(self, q: torch.Tensor, cache: KVCache, layer: int, batch: ForwardBatch, scale: float,
                   window: int = 0, softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Every query token attends on its own (its keys up to its position, through its sequence's block table).

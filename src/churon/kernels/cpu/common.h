@@ -214,6 +214,7 @@ struct KernelTable {
   // GELU of elements [i0, i1): erf (tanh false) or its tanh approximation; out may be x
   void (*gelu)(const float* x, float* out, int64_t i0, int64_t i1, bool tanh);
   void (*swiglu)(const float* gu, float* out, int64_t r0, int64_t r1, int64_t n);
+  void (*geglu)(const float* gu, float* out, int64_t r0, int64_t r1, int64_t n);
   void (*softmax)(const float* x, float* out, int64_t r0, int64_t r1, int64_t n);
   // attention tasks [t0, t1) of (seq, partition); then combine (seq, head) [t0, t1)
   // scratch: attn_scratch_floats(a) floats private to the calling thread

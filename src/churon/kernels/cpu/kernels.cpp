@@ -554,6 +554,16 @@ void swiglu(const float* gu, float* out, int64_t r0, int64_t r1, int64_t n) {
   }
 }
 
+// out = gelu_tanh(gate) * up, the gate through gelu's own code (its value bit for bit)
+void geglu(const float* gu, float* out, int64_t r0, int64_t r1, int64_t n) {
+  for (int64_t r = r0; r < r1; ++r) {
+    const float* u = gu + r * 2 * n + n;
+    float* o = out + r * n;
+    gelu(gu + r * 2 * n, o, 0, n, true);
+    for (int64_t k = 0; k < n; ++k) o[k] = o[k] * u[k];
+  }
+}
+
 // p[i] = exp(x[i] - mx), returns the sum (fixed order)
 inline float exp_sub_sum(const float* x, float* p, int64_t n, float mx) {
   int64_t k = 0;
@@ -1021,7 +1031,7 @@ uint64_t read_bytes(const uint8_t* p, int64_t n) {
 const KernelTable* table() {
   static const KernelTable t = {
       CHURON_STR(CHURON_ISA), quantize_act, gemm, dequant_rows, dequant_rows_bf16,
-      rms_norm, add_rms_norm, rope, layer_norm, gelu, swiglu, softmax, attn_partial, attn_combine, attn_packed,
+      rms_norm, add_rms_norm, rope, layer_norm, gelu, swiglu, geglu, softmax, attn_partial, attn_combine, attn_packed,
       read_bytes, to_half, lora_shrink, lora_expand,
   };
   return &t;

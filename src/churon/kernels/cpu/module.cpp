@@ -72,6 +72,8 @@ PYBIND11_MODULE(_cpu, m) {
         "out[n] = GELU(x), float32; approximate 'none' (erf, as torch) or 'tanh'; out may be x.");
   m.def("swiglu", &swiglu, py::arg("gate_up_ptr"), py::arg("out_ptr"), py::arg("m"), py::arg("n"),
         "out[m, n] = silu(gate) * up, gate_up float32 [m, 2n].");
+  m.def("geglu", &geglu, py::arg("gate_up_ptr"), py::arg("out_ptr"), py::arg("m"), py::arg("n"),
+        "out[m, n] = gelu(gate, approximate='tanh') * up, gate_up float32 [m, 2n].");
   m.def("softmax", &softmax, py::arg("x_ptr"), py::arg("out_ptr"), py::arg("m"), py::arg("n"),
         "Row-wise softmax of float32 [m, n]; out may be x.");
   m.def("attention_decode", &attention_decode, py::arg("q_ptr"), py::arg("k_cache_ptr"), py::arg("v_cache_ptr"),

@@ -179,6 +179,14 @@ void swiglu(uintptr_t gup, uintptr_t outp, int64_t m, int64_t n) {
   rows_op(m, n, [&](int64_t b, int64_t e) { k->swiglu(gu, out, b, e, n); });
 }
 
+void geglu(uintptr_t gup, uintptr_t outp, int64_t m, int64_t n) {
+  if (m <= 0 || n <= 0) return;
+  const float* gu = ptr<const float>(gup, "geglu: gate_up");
+  float* out = ptr<float>(outp, "geglu: out");
+  const KernelTable* k = kt();
+  rows_op(m, n, [&](int64_t b, int64_t e) { k->geglu(gu, out, b, e, n); });
+}
+
 void softmax(uintptr_t xp, uintptr_t outp, int64_t m, int64_t n) {
   if (m <= 0 || n <= 0) return;
   const float* x = ptr<const float>(xp, "softmax: x");

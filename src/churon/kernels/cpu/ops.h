@@ -27,6 +27,8 @@ void layer_norm(uintptr_t xp, uintptr_t rp, uintptr_t wp, uintptr_t bp, uintptr_
 void gelu(uintptr_t xp, uintptr_t outp, int64_t n, const std::string& approximate);
 
 void swiglu(uintptr_t gup, uintptr_t outp, int64_t m, int64_t n);
+// out[m, n] = gelu_tanh(gate) * up, gate_up [m, 2n] = [gate | up]
+void geglu(uintptr_t gup, uintptr_t outp, int64_t m, int64_t n);
 void softmax(uintptr_t xp, uintptr_t outp, int64_t m, int64_t n);
 
 void attention_decode(uintptr_t qp, uintptr_t kp, uintptr_t vp, uintptr_t btp, uintptr_t slp, uintptr_t outp,
