@@ -35,7 +35,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 from churon import kernels
-from churon.formats.quants import dequantize
+from churon.formats.quants import dequantize, quantize
 from churon.kernels import ground_truth as truth
 from churon.engine.kv_cache import quantize_int8
 
@@ -44,7 +44,7 @@ pytestmark = pytest.mark.skipif(not kernels.native_available(), reason=kernels.r
 cpu = kernels.cpu
 ISAS = cpu.available_isas() if cpu is not None else []
 
-QUANT_TYPES = [T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
+QUANT_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
 FLOAT_TYPES = [T.F32, T.F16, T.BF16]
 K_QUANTS = {T.Q4_K, T.Q5_K, T.Q6_K}
 TIGHT_RTOL = 2e-6
@@ -159,7 +159,7 @@ def test_real_gguf_quantized_data(isa):
     # data quantized by the gguf package (not random codes): dequantize must still match
     import gguf.quants as gq
 
-    for qtype in (T.Q8_0, T.Q4_0, T.Q4_1):
+    for qtype in (T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0):
         data = rng_for("real", qtype.name).standard_normal((19, 160)).astype(np.float32)
         raw = np.ascontiguousarray(gq.quantize(data, qtype)).reshape(-1).view(np.uint8)
         q = cpu.QMatrix(raw, int(qtype), 19, 160)
@@ -254,6 +254,44 @@ def test_matmul_precise(isa, qtype, threads):
     y1 = torch.empty(m, rows)
     q.matmul(x.data_ptr(), y1.data_ptr(), m, bias.data_ptr(), True)
     assert torch.equal(y1, y)
+
+
+def test_q5_0_runs_as_q8_0(isa):
+    # Q5_0 (Gemma 3 270M's q, k, gate and up projections) is read into Q8_0's layout: x = d * (L - 16) is the
+    # Q8_0 code L - 16 with the same scale, so the matmul is bitwise that of those Q8_0 blocks, within the Q8_0
+    # path's bounds of the F32 path on the dequantized matrix, and the dequantized rows are exact
+    from churon.formats.gguf import GGUFTensor
+    from churon.kernels import ops
+    from churon.model.native_backend import NativeBackend
+
+    rows, cols = 37, 192
+    w = torch.from_numpy(rng_for("q5_0").standard_normal((rows, cols)).astype(np.float32))
+    raw = quantize(w, T.Q5_0).reshape(-1)
+    q = NativeBackend().matrix(GGUFTensor("w", (rows, cols), T.Q5_0, raw))
+    assert q.qtype == int(T.Q5_0) and "as Q8_0" in q.layout
+    dq = dequantize(raw, T.Q5_0, (rows, cols))
+    blocks = raw.reshape(-1, 22)
+    d = torch.from_numpy(blocks[:, :2].copy().view(np.float16).astype(np.float32))  # [n, 1]
+    codes = torch.where(d != 0, dq.reshape(-1, 32) / d.where(d != 0, torch.ones_like(d)), torch.zeros_like(d))
+    q8_raw = np.concatenate([blocks[:, :2], codes.to(torch.int8).numpy().view(np.uint8)], axis=1).reshape(-1)
+    q8 = cpu.QMatrix(q8_raw, int(T.Q8_0), rows, cols)
+    assert torch.equal(dequantize(q8_raw, T.Q8_0, (rows, cols)), dq)
+    f32 = cpu.QMatrix(dq.numpy().view(np.uint8).reshape(-1), int(T.F32), rows, cols)
+    for m in (1, 5, 17):
+        x = activations(m, cols)
+        y = matmul(q, x)
+        assert torch.equal(y, matmul(q8, x))
+        check_quant_matmul(T.Q5_0, raw, rows, cols, x, y)
+        xhat = truth.dequantize_activations(*truth.quantize_activations(x))
+        wa = dq.double().abs()
+        bound = (x.double() - xhat).abs() @ wa.T + (TIGHT_RTOL * wa.amax(1) * xhat.abs().sum(1, keepdim=True)) \
+            + 1e-5 * (x.double().abs() @ wa.T)  # 8-bit x, the tight bound, the F32 path's own rounding
+        assert bool(((y.double() - matmul(f32, x).double()).abs() <= bound).all())
+    ids = torch.tensor([36, 0, 17, 36])
+    assert torch.equal(ops.QuantizedMatrix(raw, int(T.Q5_0), rows, cols).rows_of(ids), dq[ids])
+    got = torch.empty(rows, cols)
+    q.dequantize(got.data_ptr())
+    assert torch.equal(got, dq)
 
 
 def test_matmul_bias(isa):

@@ -16,7 +16,7 @@ The raw API (all tensors float32 and C-contiguous unless said; pointers are ints
     isa() -> str; available_isas() -> list[str]; set_isa(name)      # 'avx512' | 'avx2' | 'scalar'
     set_num_threads(n); get_num_threads(); set_spin_us(us); get_spin_us()
     QMatrix(raw: uint8 buffer, qtype: int, rows, cols)               # GGUF bytes of a [rows, cols] weight;
-                                                                     # qtype F32 F16 BF16 Q4_0 Q4_1 Q8_0 Q4_K Q5_K Q6_K
+                                                                     # qtype F32 F16 BF16 Q4_0 Q4_1 Q5_0 Q8_0 Q4_K Q5_K Q6_K
         .matmul(x_ptr, y_ptr, m, bias_ptr=0, precise=False)          # y[m, rows] = x[m, cols] @ W.T (+ bias);
                                                                      # precise: ~16-bit activations (hi + lo)
         .dequantize(out_ptr) / .dequantize_bf16(out_ptr)             # [rows, cols] float32 / bfloat16

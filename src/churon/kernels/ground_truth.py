@@ -20,7 +20,7 @@ Q8_BLOCK = 32  # activations are quantized per 32 values
 
 _T = GGMLQuantizationType
 # byte offsets of the fp16 scale fields in each block (d, and dmin or m where the type has one)
-FP16_FIELDS = {_T.Q8_0: [0], _T.Q4_0: [0], _T.Q4_1: [0, 2], _T.Q4_K: [0, 2], _T.Q5_K: [0, 2], _T.Q6_K: [208]}
+FP16_FIELDS = {_T.Q8_0: [0], _T.Q4_0: [0], _T.Q5_0: [0], _T.Q4_1: [0, 2], _T.Q4_K: [0, 2], _T.Q5_K: [0, 2], _T.Q6_K: [208]}
 _FLOAT_DTYPES = {_T.F32: torch.float32, _T.F16: torch.float16, _T.BF16: torch.bfloat16}
 
 

@@ -32,8 +32,8 @@ class NativeBackend:
     # types the native matmul reads directly; others are dequantized to F32 first
     NATIVE_TYPES = {
         GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16, GGMLQuantizationType.Q4_0,
-        GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K,
-        GGMLQuantizationType.Q6_K,
+        GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_K,
+        GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K,
     }
 
     def __init__(self):

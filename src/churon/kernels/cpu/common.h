@@ -22,6 +22,7 @@ enum QType : int {
   kF16 = 1,
   kQ4_0 = 2,
   kQ4_1 = 3,
+  kQ5_0 = 6,  // repacked into Q8_0's layout (layout_qtype), its kernels' type
   kQ8_0 = 8,
   kQ4_K = 12,
   kQ5_K = 13,

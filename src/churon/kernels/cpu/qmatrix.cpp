@@ -60,7 +60,7 @@ QMatrix::QMatrix(const uint8_t* raw, int64_t raw_bytes, bool raw_contiguous, int
   const char* name = qtype_name(qtype);
   if (!name) {
     throw std::invalid_argument("QMatrix: GGML type id " + std::to_string(qtype) +
-                                " is not supported (supported: F32, F16, BF16, Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K)");
+                                " is not supported (supported: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K)");
   }
   if (rows <= 0 || cols <= 0)
     throw std::invalid_argument("QMatrix: rows and cols must be positive, got " + std::to_string(rows) + " x " +
@@ -79,7 +79,8 @@ QMatrix::QMatrix(const uint8_t* raw, int64_t raw_bytes, bool raw_contiguous, int
   }
   if (!raw_contiguous) throw std::invalid_argument("QMatrix: raw bytes must be contiguous");
 
-  w_.qtype = qtype;
+  qtype_ = qtype;
+  w_.qtype = layout_qtype(qtype);
   w_.rows = rows;
   w_.cols = cols;
   w_.ngroups = (rows + kGroupRows - 1) / kGroupRows;
@@ -93,14 +94,15 @@ QMatrix::QMatrix(const uint8_t* raw, int64_t raw_bytes, bool raw_contiguous, int
     layout_ = std::string(name) + " row-major (GGUF rows unchanged)";
     nbytes_ = want;
   } else {
-    w_.unit_cols = unit_cols_of(qtype);
+    w_.unit_cols = unit_cols_of(w_.qtype);
     w_.nunits = cols / w_.unit_cols;
-    w_.unit_bytes = unit_bytes_of(qtype);
+    w_.unit_bytes = unit_bytes_of(w_.qtype);
     w_.group_bytes = w_.nunits * w_.unit_bytes;
     nbytes_ = w_.ngroups * w_.group_bytes;
     buf_.reserve(size_t(nbytes_) + 64);
-    repack_x16(w_, raw, buf_.p);
-    layout_ = std::string(name) + " repacked x16 rows (" + std::to_string(w_.unit_cols) + "-column units of " +
+    repack_x16(w_, qtype, raw, buf_.p);
+    layout_ = std::string(name) + (w_.qtype != qtype ? std::string(" as ") + qtype_name(w_.qtype) : "") +
+              " repacked x16 rows (" + std::to_string(w_.unit_cols) + "-column units of " +
               std::to_string(w_.unit_bytes) + " bytes)";
   }
   w_.data = buf_.p;

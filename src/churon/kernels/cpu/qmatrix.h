@@ -18,7 +18,7 @@ class QMatrix {
 
   int64_t rows() const { return w_.rows; }
   int64_t cols() const { return w_.cols; }
-  int qtype() const { return w_.qtype; }
+  int qtype() const { return qtype_; }  // the GGML type given (w_.qtype: its layout's)
   const std::string& layout() const { return layout_; }
   int64_t nbytes() const { return nbytes_; }
 
@@ -31,6 +31,7 @@ class QMatrix {
   void dequantize_rows(uintptr_t idsp, int64_t n, uintptr_t outp);
 
  private:
+  int qtype_ = 0;
   QWeights w_;
   Buffer buf_;
   std::string layout_;

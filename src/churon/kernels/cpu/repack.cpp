@@ -16,6 +16,7 @@ const char* qtype_name(int q) {
     case kBF16: return "BF16";
     case kQ4_0: return "Q4_0";
     case kQ4_1: return "Q4_1";
+    case kQ5_0: return "Q5_0";
     case kQ8_0: return "Q8_0";
     case kQ4_K: return "Q4_K";
     case kQ5_K: return "Q5_K";
@@ -30,6 +31,7 @@ void gguf_block(int q, int64_t& bs, int64_t& ts) {
     case kF16: case kBF16: bs = 1; ts = 2; return;
     case kQ4_0: bs = 32; ts = 18; return;
     case kQ4_1: bs = 32; ts = 20; return;
+    case kQ5_0: bs = 32; ts = 22; return;
     case kQ8_0: bs = 32; ts = 34; return;
     case kQ4_K: bs = 256; ts = 144; return;
     case kQ5_K: bs = 256; ts = 176; return;
@@ -37,6 +39,8 @@ void gguf_block(int q, int64_t& bs, int64_t& ts) {
     default: bs = ts = 0; return;
   }
 }
+
+int layout_qtype(int q) { return q == kQ5_0 ? kQ8_0 : q; }
 
 namespace {
 
@@ -74,6 +78,16 @@ void decode_block(int q, const uint8_t* b, Decoded& o) {
       o.d = load_u16(b);
       for (int j = 0; j < 32; ++j) o.code[j] = uint8_t(b[2 + j] ^ 0x80);  // int8 + 128
       break;
+    case kQ5_0: {  // d | qh u32 (bit j: the 5th bit of value j) | qs[16] (values j, j + 16), as Q8_0 codes
+      o.d = load_u16(b);
+      const uint32_t qh = uint32_t(load_i32(b + 2));
+      const uint8_t* qs = b + 6;
+      for (int j = 0; j < 16; ++j) {
+        o.code[j] = uint8_t(((qs[j] & 15) | ((qh >> j) & 1) << 4) + 112);  // L - 16 + 128
+        o.code[j + 16] = uint8_t(((qs[j] >> 4) | ((qh >> (j + 16)) & 1) << 4) + 112);
+      }
+      break;
+    }
     case kQ4_K:
     case kQ5_K: {
       o.d = load_u16(b);
@@ -175,9 +189,9 @@ void repack_unit(int q, uint8_t* P, int r, const Decoded& o) {
 
 }  // namespace
 
-void repack_x16(const QWeights& w, const uint8_t* src, uint8_t* dst) {
+void repack_x16(const QWeights& w, int src_qtype, const uint8_t* src, uint8_t* dst) {
   int64_t bs, ts;
-  gguf_block(w.qtype, bs, ts);
+  gguf_block(src_qtype, bs, ts);
   const int64_t nblocks = w.cols / bs;  // GGUF blocks per row (= nunits)
   auto work = [&](int64_t g0, int64_t g1, int) {
     Decoded o;
@@ -188,7 +202,7 @@ void repack_x16(const QWeights& w, const uint8_t* src, uint8_t* dst) {
         const int64_t row = g * kGroupRows + r;
         if (row >= w.rows) break;  // padding rows stay zero (codes 0, scales +0.0)
         for (int64_t u = 0; u < nblocks; ++u) {
-          decode_block(w.qtype, src + (row * nblocks + u) * ts, o);
+          decode_block(src_qtype, src + (row * nblocks + u) * ts, o);
           repack_unit(w.qtype, gp + u * w.unit_bytes, r, o);
         }
       }
