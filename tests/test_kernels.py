@@ -486,40 +486,32 @@ def test_rope_and_cache_int8(isa, threads):
     assert ((k.float() * ks.unsqueeze(-1) - k_f32).abs() <= ks.unsqueeze(-1) / 2 + 1e-7).all()
 
 
-def test_swiglu(isa, threads):
+def gated_bound(name: str, gu: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    """swiglu: 1e-5 relative (the kernels' exp); geglu: the gate's GELU is the gelu kernel's own, so
+    test_encoder_kernels' gelu tolerance times |up|, plus the product's rounding."""
+    if name == "swiglu":
+        return 1e-5 * want.abs() + 1e-6
+    gate, up = gu.double().chunk(2, dim=-1)
+    return (5e-6 * truth.gelu(gate, "tanh").abs() + 5e-8) * up.abs() + 6e-8 * want.abs()
+
+
+@pytest.mark.parametrize("name", ["swiglu", "geglu"])
+def test_gated_activations(isa, threads, name):
+    kernel, reference = getattr(cpu, name), getattr(truth, name)
     for m, n in [(1, 1536), (3, 37), (30, 1536)]:
         gu = activations(m, 2 * n) * 4
         gu[0, :4] = torch.tensor([-100.0, 100.0, -1e-8, 0.0])
         out = torch.empty(m, n)
-        cpu.swiglu(gu.data_ptr(), out.data_ptr(), m, n)
-        want = truth.swiglu(gu.double())
-        torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-6)
+        kernel(gu.data_ptr(), out.data_ptr(), m, n)
+        want = reference(gu.double())
+        assert bool(((out.double() - want).abs() <= gated_bound(name, gu, want)).all())
         threads(1)
         one = torch.empty(m, n)
-        cpu.swiglu(gu.data_ptr(), one.data_ptr(), m, n)
-        threads(2)
-        assert torch.equal(one, out)
-
-
-def test_geglu(isa, threads):
-    # the gate's GELU is the gelu kernel's own: test_encoder_kernels' gelu tolerance, times |up|, plus the product's
-    # rounding
-    for m, n in [(1, 1536), (3, 37), (30, 1536)]:
-        gu = activations(m, 2 * n) * 4
-        gu[0, :4] = torch.tensor([-100.0, 100.0, -1e-8, 0.0])
-        out = torch.empty(m, n)
-        cpu.geglu(gu.data_ptr(), out.data_ptr(), m, n)
-        gate, up = gu.double().chunk(2, dim=-1)
-        want = truth.geglu(gu.double())
-        bound = (5e-6 * truth.gelu(gate, "tanh").abs() + 5e-8) * up.abs() + 6e-8 * want.abs()
-        assert bool(((out.double() - want).abs() <= bound).all())
-        threads(1)
-        one = torch.empty(m, n)
-        cpu.geglu(gu.data_ptr(), one.data_ptr(), m, n)
+        kernel(gu.data_ptr(), one.data_ptr(), m, n)
         threads(2)
         assert torch.equal(one, out)
         row = torch.empty(1, n)
-        cpu.geglu(gu[m - 1 :].data_ptr(), row.data_ptr(), 1, n)
+        kernel(gu[m - 1 :].data_ptr(), row.data_ptr(), 1, n)
         assert torch.equal(row, out[m - 1 :])
 
 

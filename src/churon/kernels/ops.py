@@ -229,19 +229,20 @@ def rope_and_cache(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, positio
 
 
 def swiglu(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    _check(gate_up, "gate_up")
-    n = gate_up.shape[-1] // 2
-    out = _out(out, tuple(gate_up.shape[:-1]) + (n,))
-    _cpu().swiglu(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * n), n)
-    return out
+    """silu(gate) * up for gate_up [..., 2n] = [gate | up]."""
+    return _gated(_cpu().swiglu, gate_up, out)
 
 
 def geglu(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """gelu(gate, approximate="tanh") * up for gate_up [..., 2n] = [gate | up]."""
+    return _gated(_cpu().geglu, gate_up, out)
+
+
+def _gated(kernel, gate_up: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
     _check(gate_up, "gate_up")
     n = gate_up.shape[-1] // 2
     out = _out(out, tuple(gate_up.shape[:-1]) + (n,))
-    _cpu().geglu(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * n), n)
+    kernel(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * n), n)
     return out
 
 

@@ -171,20 +171,26 @@ void gelu(uintptr_t xp, uintptr_t outp, int64_t n, const std::string& approximat
   });
 }
 
-void swiglu(uintptr_t gup, uintptr_t outp, int64_t m, int64_t n) {
+namespace {
+
+// a gated activation (swiglu, geglu): out[m, n] from gate_up [m, 2n] by the table's kernel op
+void gated(void (*KernelTable::*op)(const float*, float*, int64_t, int64_t, int64_t), const char* gu_what,
+           const char* out_what, uintptr_t gup, uintptr_t outp, int64_t m, int64_t n) {
   if (m <= 0 || n <= 0) return;
-  const float* gu = ptr<const float>(gup, "swiglu: gate_up");
-  float* out = ptr<float>(outp, "swiglu: out");
+  const float* gu = ptr<const float>(gup, gu_what);
+  float* out = ptr<float>(outp, out_what);
   const KernelTable* k = kt();
-  rows_op(m, n, [&](int64_t b, int64_t e) { k->swiglu(gu, out, b, e, n); });
+  rows_op(m, n, [&](int64_t b, int64_t e) { (k->*op)(gu, out, b, e, n); });
+}
+
+}  // namespace
+
+void swiglu(uintptr_t gup, uintptr_t outp, int64_t m, int64_t n) {
+  gated(&KernelTable::swiglu, "swiglu: gate_up", "swiglu: out", gup, outp, m, n);
 }
 
 void geglu(uintptr_t gup, uintptr_t outp, int64_t m, int64_t n) {
-  if (m <= 0 || n <= 0) return;
-  const float* gu = ptr<const float>(gup, "geglu: gate_up");
-  float* out = ptr<float>(outp, "geglu: out");
-  const KernelTable* k = kt();
-  rows_op(m, n, [&](int64_t b, int64_t e) { k->geglu(gu, out, b, e, n); });
+  gated(&KernelTable::geglu, "geglu: gate_up", "geglu: out", gup, outp, m, n);
 }
 
 void softmax(uintptr_t xp, uintptr_t outp, int64_t m, int64_t n) {

@@ -184,18 +184,22 @@ inline uint64_t fold_u64(VI a) {
 
 inline void prefetch_l2(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); }
 
+// c[0] x^(N-1) + ... + c[N-1], by Horner's rule: one fmadd a coefficient
+template <int N>
+inline V horner(V x, const float (&c)[N]) {
+  V p = set1(c[0]);
+  for (int i = 1; i < N; ++i) p = fmadd(p, x, set1(c[i]));
+  return p;
+}
+
 // exp for x clamped to [kExpLo, kExpHi]: cephes polynomial, ~1 ulp
 inline V exp(V x) {
   x = min(max(x, set1(kExpLo)), set1(kExpHi));
   const V n = round(mul(x, set1(1.44269504088896341f)));
   V r = fnmadd(n, set1(0.693359375f), x);
   r = fnmadd(n, set1(-2.12194440e-4f), r);
-  V p = set1(1.9875691500E-4f);
-  p = fmadd(p, r, set1(1.3981999507E-3f));
-  p = fmadd(p, r, set1(8.3334519073E-3f));
-  p = fmadd(p, r, set1(4.1665795894E-2f));
-  p = fmadd(p, r, set1(1.6666665459E-1f));
-  p = fmadd(p, r, set1(5.0000001201E-1f));
+  V p = horner(r, {1.9875691500E-4f, 1.3981999507E-3f, 8.3334519073E-3f, 4.1665795894E-2f, 1.6666665459E-1f,
+                   5.0000001201E-1f});
   p = fmadd(p, mul(r, r), add(r, set1(1.0f)));
   return exp_scale(p, n);
 }
@@ -205,11 +209,8 @@ inline V exp(V x) {
 inline V tanh(V x) {
   const V ax = abs(x);
   const V s = mul(x, x);
-  V p = set1(-5.70498872745e-3f);
-  p = fmadd(p, s, set1(2.06390887954e-2f));
-  p = fmadd(p, s, set1(-5.37397155531e-2f));
-  p = fmadd(p, s, set1(1.33314422036e-1f));
-  p = fmadd(p, s, set1(-3.33332819422e-1f));
+  const V p = horner(s, {-5.70498872745e-3f, 2.06390887954e-2f, -5.37397155531e-2f, 1.33314422036e-1f,
+                         -3.33332819422e-1f});
   const V near0 = fmadd(mul(p, s), x, x);
   const V t = sub(set1(1.0f), div(set1(2.0f), add(exp(add(ax, ax)), set1(1.0f))));
   return select_lt(ax, set1(0.625f), near0, select_lt(x, zero(), sub(zero(), t), t));
@@ -222,23 +223,12 @@ inline V tanh(V x) {
 inline V erfc(V x) {
   const V ax = abs(x);
   const V s = mul(x, x);
-  V r = set1(-5.982479779e-04f);
-  r = fmadd(r, s, set1(4.991958849e-03f));
-  r = fmadd(r, s, set1(-2.676613443e-02f));
-  r = fmadd(r, s, set1(1.128181517e-01f));
-  r = fmadd(r, s, set1(-3.761249483e-01f));
-  r = fmadd(r, s, set1(1.283791512e-01f));  // 2 / sqrt(pi) - 1
+  const V r = horner(s, {-5.982479779e-04f, 4.991958849e-03f, -2.676613443e-02f, 1.128181517e-01f,
+                         -3.761249483e-01f, 1.283791512e-01f /* 2 / sqrt(pi) - 1 */});
   const V near0 = sub(set1(1.0f), fmadd(x, r, x));
   const V t = min(ax, set1(4.0f));
-  V p = set1(1.613661084e-06f);
-  p = fmadd(p, t, set1(-4.558263026e-05f));
-  p = fmadd(p, t, set1(5.927017191e-04f));
-  p = fmadd(p, t, set1(-4.739904311e-03f));
-  p = fmadd(p, t, set1(2.636381797e-02f));
-  p = fmadd(p, t, set1(-1.099766791e-01f));
-  p = fmadd(p, t, set1(-6.319386959e-01f));
-  p = fmadd(p, t, set1(-1.130165815e+00f));
-  p = fmadd(p, t, set1(3.030020744e-04f));
+  const V p = horner(t, {1.613661084e-06f, -4.558263026e-05f, 5.927017191e-04f, -4.739904311e-03f, 2.636381797e-02f,
+                         -1.099766791e-01f, -6.319386959e-01f, -1.130165815e+00f, 3.030020744e-04f});
   const V e = select_lt(ax, set1(4.0f), exp(p), zero());
   const V tail = select_lt(x, zero(), sub(set1(2.0f), e), e);
   return select_lt(ax, set1(0.9277f), near0, tail);
