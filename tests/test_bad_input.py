@@ -12,6 +12,7 @@ import torch
 
 from churon import LLM, ChuronError, ContextLengthError, ModelFileError, SamplingParams, UnsupportedModelError
 from churon.config import EngineConfig
+from churon.formats.gguf import LONGROPE_TENSORS
 from churon.loader import load_model
 
 
@@ -93,7 +94,7 @@ def test_tensor_of_the_wrong_shape(tiny_llama_q8, tmp_path):
 
 def test_unknown_architecture(tiny_llama_q8, tmp_path):
     path = rewrite_gguf(tiny_llama_q8, tmp_path / "mamba.gguf", arch="mamba")
-    with pytest.raises(UnsupportedModelError, match=r"'mamba'.*supported: llama, qwen2, qwen3"):
+    with pytest.raises(UnsupportedModelError, match=r"'mamba'.*supported: gemma2, gemma3, llama, mistral, phi3, qwen2, qwen3"):
         load_model(path)
 
 
@@ -504,3 +505,86 @@ def test_an_unreadable_json_file_is_a_model_file_error(tiny_llama_dir, tmp_path,
     (bad / name).mkdir()
     with pytest.raises(ModelFileError, match=f"{bad / name}: cannot read it"):
         LLM(bad, threads=1)
+
+
+# --------------------------------------------------------------------------------------------------
+# LongRoPE (Phi-3): its factors, one per rotated pair, and its type, from a directory and from a GGUF
+# --------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_phi3_longrope(tmp_path_factory):
+    from tiny_models import PHI3_LONGROPE, make_hf_model, write_gguf
+
+    scaling = {**PHI3_LONGROPE, "original_max_position_embeddings": 8}
+    hf = make_hf_model("phi3", tmp_path_factory.mktemp("tiny-phi3"), rope_scaling=scaling)
+    return hf, write_gguf(hf, tmp_path_factory.mktemp("tiny-phi3-gguf") / "phi3.gguf", "F32")
+
+
+def _longrope_config(hf_dir, **changes):
+    import json
+
+    rope = json.loads((hf_dir / "config.json").read_text())["rope_parameters"]
+    return {"rope_parameters": {k: v for k, v in {**rope, **changes}.items() if v is not ...}}
+
+
+@pytest.mark.parametrize(
+    "changes, match",
+    [
+        ({"short_factor": [1.0] * 7}, r"rope_parameters: short_factor has 7 factors, the head dimension 16 needs 8"),
+        ({"long_factor": [1.0] * 9}, r"rope_parameters: long_factor has 9 factors, the head dimension 16 needs 8"),
+        ({"long_factor": "1.0"}, r"rope_parameters: long_factor = '1\.0' is not a list of numbers"),
+        ({"short_factor": [1.0, 1.0, 0.0] + [1.0] * 5}, r"rope_parameters: short_factor\[2\] = 0\.0 must be a finite number greater"),
+        ({"long_factor": ...}, r"rope_parameters: field 'long_factor' is missing"),
+        ({"attention_factor": -1.0}, r"rope_parameters: attention_factor = -1\.0 must be"),
+    ],
+    ids=["short-of-7", "long-of-9", "long-a-string", "short-zero", "long-missing", "attention-factor-negative"],
+)
+def test_lying_longrope_config_is_a_model_file_error(tiny_phi3_longrope, tmp_path, changes, match):
+    hf, _ = tiny_phi3_longrope
+    bad = _hf_copy(hf, tmp_path / "bad", _longrope_config(hf, **changes))
+    with pytest.raises(ModelFileError, match=re.escape(str(bad / "config.json")) + ": " + match):
+        load_model(bad)
+
+
+@pytest.mark.parametrize(
+    "config, match",
+    [
+        ({"partial_rotary_factor": 0.75}, r"partial_rotary_factor = 0\.75 is not supported \(RoPE over part of each"),
+        ("yarn", r"rope_parameters: RoPE scaling type 'yarn' is not supported \(supported: linear, llama3, longrope\)"),
+    ],
+)
+def test_unsupported_phi3_rope_names_the_field(tiny_phi3_longrope, tmp_path, config, match):
+    hf, _ = tiny_phi3_longrope
+    bad = _hf_copy(hf, tmp_path / "bad", _longrope_config(hf, rope_type="yarn") if config == "yarn" else config)
+    with pytest.raises(UnsupportedModelError, match=re.escape(str(bad / "config.json")) + ": " + match):
+        load_model(bad)
+
+
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        ({"replace": {"rope_factors_long.weight": (np.ones(7, np.float32), None)}},
+         r"rope_factors_long\.weight has 7 factors, the head dimension 16 needs 8"),
+        ({"replace": {"rope_factors_short.weight": (np.array([1, 1, 1, np.nan, 1, 1, 1, 1], np.float32), None)}},
+         r"rope_factors_short\.weight\[3\] = nan must be a finite number"),
+        ({"drop": ("rope_factors_short.weight",)},
+         r"tensor 'rope_factors_short\.weight' is missing: LongRoPE needs it beside 'rope_factors_long\.weight'"),
+        ({"drop": LONGROPE_TENSORS, "fields": {"phi3.rope.scaling.type": ("longrope", T.STRING)}},
+         r"phi3\.rope\.scaling\.type is 'longrope' but tensor 'rope_factors_long\.weight' is missing"),
+        ({"drop_fields": ("phi3.rope.scaling.original_context_length",)},
+         r"field 'phi3\.rope\.scaling\.original_context_length' is missing"),
+    ],
+    ids=["long-of-7", "short-nan", "short-missing", "longrope-without-factors", "no-original-context"],
+)
+def test_lying_longrope_gguf_is_a_model_file_error(tiny_phi3_longrope, tmp_path, edit, match):
+    _, path = tiny_phi3_longrope
+    bad = rewrite_gguf(path, tmp_path / "bad.gguf", **edit)
+    with pytest.raises(ModelFileError, match=re.escape(str(bad)) + ": " + match):
+        load_model(bad)
+
+
+def test_unsupported_gguf_rope_scaling_names_the_key(tiny_phi3_longrope, tmp_path):
+    _, path = tiny_phi3_longrope
+    bad = rewrite_gguf(path, tmp_path / "bad.gguf", fields={"phi3.rope.scaling.type": ("yarn", T.STRING)})
+    with pytest.raises(UnsupportedModelError, match=r"bad\.gguf: phi3\.rope\.scaling\.type 'yarn' is not supported"):
+        load_model(bad)

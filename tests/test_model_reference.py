@@ -4,12 +4,23 @@ The reference computes with exactly the weights stored in each file (tiny_models
 so the only differences left are arithmetic order: 1e-4 relative to the largest logit in fp32.
 """
 
+import json
+
 import pytest
 import torch
 
 from churon.loader import load_model
 from churon.engine.kv_cache import SequenceKVCache
-from tiny_models import DECODER_ARCHS, LLAMA3_ROPE_SCALING, SLIDING_WINDOW, make_hf_model, reference_model, write_gguf
+from tiny_models import (
+    DECODER_ARCHS,
+    LLAMA3_ROPE_SCALING,
+    MAX_POSITIONS,
+    PHI3_LONGROPE,
+    SLIDING_WINDOW,
+    make_hf_model,
+    reference_model,
+    write_gguf,
+)
 
 RTOL = 1e-4
 PROMPT = [5, 17, 42, 99, 3, 250, 7, 64, 128, 11, 300, 8]
@@ -84,7 +95,31 @@ def test_llama3_rope_scaling(source, tmp_path):
     compare_prefill_and_decode(path, reference_model(hf, None if source == "hf" else path))
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+# original_max_position_embeddings where transformers' factors (by each forward's length) are the ones churon picks
+# by the context (model/rope.py): the whole context, every test's sequence within it: the short factors; 8
+# positions, every test's sequence past them: the long ones, with cos and sin times 1.63
+LONGROPE_ORIGINALS = {"short": MAX_POSITIONS, "long": 8}
+
+
+@pytest.mark.parametrize("source", ["hf", "su", "gguf"])
+@pytest.mark.parametrize("factors", list(LONGROPE_ORIGINALS))
+def test_phi3_longrope(factors, source, tmp_path):
+    """source "su": the transformers 4 layout, rope_scaling {"type": "su"} (Phi-3's first name for longrope) beside a
+    top-level original_max_position_embeddings, which Phi3Config takes over the one rope_scaling has (and
+    transformers 5 wants there too)."""
+    assert len(PROMPT) > LONGROPE_ORIGINALS["long"]
+    scaling = {**PHI3_LONGROPE, "original_max_position_embeddings": LONGROPE_ORIGINALS[factors]}
+    hf = make_hf_model("phi3", tmp_path / "hf", rope_scaling=scaling, legacy_config=source == "su")
+    if source == "su":
+        cfg = json.loads((hf / "config.json").read_text())
+        cfg["rope_scaling"] = {**scaling, "type": "su", "original_max_position_embeddings": 100}
+        del cfg["rope_scaling"]["rope_type"]
+        (hf / "config.json").write_text(json.dumps(cfg))
+    path = write_gguf(hf, tmp_path / "m.gguf", "F32") if source == "gguf" else hf
+    compare_prefill_and_decode(path, reference_model(hf, path if source == "gguf" else None))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "phi3"])
 def test_separate_output_embedding(arch, tmp_path):
     hf = make_hf_model(arch, tmp_path / "hf", tie_word_embeddings=False)
     compare_prefill_and_decode(hf, reference_model(hf))

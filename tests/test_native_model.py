@@ -8,7 +8,7 @@ from churon import kernels
 from churon.engine.kv_cache import PagedKVCache, SequenceKVCache
 from churon.loader import load_model
 from churon.model.batch import ForwardBatch, SequenceChunk
-from tiny_models import DECODER_ARCHS, SLIDING_WINDOW, make_hf_model, write_gguf
+from tiny_models import DECODER_ARCHS, PHI3_LONGROPE, SLIDING_WINDOW, make_hf_model, write_gguf
 
 pytestmark = pytest.mark.skipif(not kernels.native_available(), reason=kernels.reason)
 
@@ -33,7 +33,20 @@ def model_path(hf_dir, qtype, tmp_path):
 
 @pytest.mark.parametrize("qtype", list(TOLERANCE))
 def test_native_logits_are_close_to_the_reference_path(hf_dir, qtype, tmp_path):
-    path = model_path(hf_dir, qtype, tmp_path)
+    assert_native_close(model_path(hf_dir, qtype, tmp_path), TOLERANCE[qtype])
+
+
+@pytest.mark.parametrize("qtype", ["hf", "Q8_0"])
+def test_native_phi3_longrope(qtype, tmp_path):
+    """Phi-3's long factors and their attention factor on cos and sin (an original context of 8: the long ones, see
+    test_model_reference.py)."""
+    hf = make_hf_model("phi3", tmp_path / "hf", rope_scaling={**PHI3_LONGROPE, "original_max_position_embeddings": 8})
+    assert_native_close(model_path(hf, qtype, tmp_path), TOLERANCE[qtype])
+
+
+def assert_native_close(path, tolerance: float) -> None:
+    """The prompt's logits at every position and three decode steps: native within tolerance x the largest
+    reference logit."""
     native, _, _ = load_model(path, kernels="native")
     reference, _, _ = load_model(path, kernels="reference")
     assert native.backend.name == "native" and reference.backend.name == "reference"
@@ -45,14 +58,14 @@ def test_native_logits_are_close_to_the_reference_path(hf_dir, qtype, tmp_path):
     want = reference(tokens, 0, SequenceKVCache.for_model(reference, 64), all_logits=True)
     got = native(tokens, 0, native_cache(), all_logits=True)
     scale = want.abs().max()
-    assert (got - want).abs().max() <= TOLERANCE[qtype] * scale
+    assert (got - want).abs().max() <= tolerance * scale
     # decode steps through the cache agree too
     cache_n, cache_r = native_cache(), SequenceKVCache.for_model(reference, 64)
     native(tokens, 0, cache_n)
     reference(tokens, 0, cache_r)
     for step, token in enumerate([9, 99, 199]):
         t = torch.tensor([token])
-        assert (native(t, len(PROMPT) + step, cache_n) - reference(t, len(PROMPT) + step, cache_r)).abs().max() <= TOLERANCE[qtype] * scale
+        assert (native(t, len(PROMPT) + step, cache_n) - reference(t, len(PROMPT) + step, cache_r)).abs().max() <= tolerance * scale
 
 
 def run(model, chunks_per_step, cache):
@@ -86,7 +99,7 @@ def test_a_tokens_logits_do_not_depend_on_the_batch_or_the_chunking(hf_dir, qtyp
     assert torch.equal(torch.cat(rows), alone)
 
 
-@pytest.mark.parametrize("arch", ["mistral", "gemma2", "gemma3"])
+@pytest.mark.parametrize("arch", ["mistral", "gemma2", "gemma3", "phi3"])
 def test_windowed_layers_far_past_their_window(arch, tmp_path):
     """A 200-token prompt, windows of 8: the kernel skips the 64-position partitions behind a window and masks
     inside the one it starts in. Close to the reference path, and each token's logits bitwise the same when the

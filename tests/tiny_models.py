@@ -4,7 +4,7 @@ Test-support code, imported by tests (not collected itself). Transformers is the
 only here; churon never imports it.
 
     make_tokenizer_files(dir)            byte-level BPE tokenizer (ChatML specials) trained on fixed text
-    make_hf_model(arch, dir)             tiny random Llama / Qwen2 / Qwen3, saved with save_pretrained
+    make_hf_model(arch, dir)             tiny random model of each decoder family, saved with save_pretrained
     write_gguf(hf_dir, path, qtype)      converts that directory the way llama.cpp's convert_hf_to_gguf.py does
     reference_model(hf_dir, gguf_path)   the transformers model, optionally with the weights stored in the GGUF
     make_peft_adapter(hf_dir, dir)       a random LoRA adapter for that model, saved by PEFT (peft_model: attached)
@@ -12,9 +12,10 @@ only here; churon never imports it.
     write_bert_gguf(hf_dir, path, qtype) converts it the way convert_hf_to_gguf.py's BertModel does
 
 The conversion follows convert_hf_to_gguf.py (TextModel.set_gguf_parameters, LlamaModel, Qwen2Model,
-Qwen3Model, TextModel.prepare_tensors, _set_vocab_gpt2): the same metadata keys, tensor names (through
-gguf.get_tensor_name_map), the llama q/k row permutation, F32 for 1-D tensors and norms, rope_freqs for
-llama3 rope scaling, and the vocabulary written through gguf.SpecialVocab. Where llama.cpp's converter
+Qwen3Model, Phi3MiniModel, TextModel.prepare_tensors, _set_vocab_gpt2): the same metadata keys, tensor names
+(through gguf.get_tensor_name_map), the llama q/k row permutation, F32 for 1-D tensors and norms, rope_freqs for
+llama3 rope scaling, rope_factors_long / _short for Phi-3's longrope, and the vocabulary written through
+gguf.SpecialVocab (Phi-3's too, as the converter writes Phi-4's GPT-2 vocabulary). Where llama.cpp's converter
 and transformers would disagree about the model (see _llama3_rope_factors) write_gguf raises instead of
 writing a file whose reference would be wrong.
 
@@ -38,8 +39,9 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 ARCHS = ("llama", "qwen2", "qwen3")  # the Llama-layout families (LoRA's tests run on these)
-# every decoder family; Gemma's layers add norms and windows, Mistral a window on every layer
-DECODER_ARCHS = ARCHS + ("mistral", "gemma2", "gemma3")
+# every decoder family; Gemma's layers add norms and windows, Mistral a window on every layer, Phi-3 fused
+# matrices and a window on every layer
+DECODER_ARCHS = ARCHS + ("mistral", "gemma2", "gemma3", "phi3")
 
 # Sizes shared by every tiny model (the brief's numbers; head_dim = hidden / heads).
 HIDDEN = 64
@@ -143,6 +145,14 @@ LLAMA3_ROPE_SCALING = {
     "original_max_position_embeddings": 8192,
 }
 
+# Phi-3's longrope (make_hf_model("phi3", rope_scaling=...) with an original_max_position_embeddings): one frequency
+# divisor per rotated pair (head_dim 16: 8), short and long apart and neither all 1, as Phi-3.5-mini's
+PHI3_LONGROPE = {
+    "rope_type": "longrope",
+    "short_factor": [1.0, 1.02, 1.05, 1.1, 1.2, 1.35, 1.6, 2.0],
+    "long_factor": [1.0, 1.2, 1.6, 2.4, 4.0, 7.0, 12.0, 20.0],
+}
+
 QTYPES = {
     "F32": (gguf.GGMLQuantizationType.F32, gguf.LlamaFileType.ALL_F32),
     "F16": (gguf.GGMLQuantizationType.F16, gguf.LlamaFileType.MOSTLY_F16),
@@ -156,7 +166,8 @@ QTYPES = {
 
 # convert_hf_to_gguf.py writes Mistral as llama (its LlamaModel), without the sliding window
 GGUF_ARCH = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3,
-             "mistral": gguf.MODEL_ARCH.LLAMA, "gemma2": gguf.MODEL_ARCH.GEMMA2, "gemma3": gguf.MODEL_ARCH.GEMMA3}
+             "mistral": gguf.MODEL_ARCH.LLAMA, "gemma2": gguf.MODEL_ARCH.GEMMA2, "gemma3": gguf.MODEL_ARCH.GEMMA3,
+             "phi3": gguf.MODEL_ARCH.PHI3}
 GEMMA = ("gemma2", "gemma3")
 
 TRAINING_TEXT = """\
@@ -279,11 +290,12 @@ def make_hf_model(
     use_sliding_window false, as Qwen2.5 has. Transformers 5 loads both to the same model.
     chat_template: the tokenizer's (see make_tokenizer_files); max_positions: the context (tool-calling
     prompts, with their tools' schemas, need more than the default); query_pre_attn_scalar: Gemma's, when it is
-    not head_dim. Returns out_dir."""
+    not head_dim; rope_scaling: a llama's (LLAMA3_ROPE_SCALING) or a phi3's (PHI3_LONGROPE and an
+    original_max_position_embeddings). Returns out_dir."""
     if arch not in DECODER_ARCHS:
         raise ValueError(f"unknown arch {arch!r}; expected one of {DECODER_ARCHS}")
-    if rope_scaling is not None and arch != "llama":
-        raise ValueError(f"rope_scaling is only supported for llama here, not {arch!r}")
+    if rope_scaling is not None and arch not in ("llama", "phi3"):
+        raise ValueError(f"rope_scaling is only supported for llama and phi3 here, not {arch!r}")
     out_dir = Path(out_dir)
     make_tokenizer_files(out_dir, chat_template)
     model = _build_model(arch, out_dir, tie_word_embeddings, seed, rope_scaling, extra_vocab, max_positions)
@@ -373,6 +385,13 @@ def _build_model(arch: str, tok_dir: Path, tie: bool, seed: int, rope_scaling: d
                                            sliding_window=SLIDING_WINDOW, attn_logit_softcapping=GEMMA2_ATTN_SOFTCAP,
                                            final_logit_softcapping=GEMMA2_FINAL_SOFTCAP, rope_parameters=rope)
         cls = transformers.Gemma2ForCausalLM
+    elif arch == "phi3":
+        # Phi3Config reads the original context from its own field whatever the scaling says (Phi-3-mini-4k: equal
+        # to the context); its head_dim is hidden / heads
+        original = rope.get("original_max_position_embeddings", max_positions)
+        config = transformers.Phi3Config(**common, sliding_window=SLIDING_WINDOW, original_max_position_embeddings=original,
+                                         rope_parameters=rope)
+        cls = transformers.Phi3ForCausalLM
     else:
         rope = {"sliding_attention": {"rope_type": "default", "rope_theta": ROPE_THETA},
                 "full_attention": {"rope_type": "default", "rope_theta": GEMMA3_GLOBAL_THETA}}
@@ -423,6 +442,9 @@ def _load_hparams(hf_dir: Path) -> dict:
         rope["rope_theta"] = hparams["rope_theta"]
     if "rope_type" not in rope and rope.get("type") is not None:
         rope["rope_type"] = rope["type"]
+    for key in ("partial_rotary_factor", "original_max_position_embeddings"):  # TextModel.__init__ mirrors these too
+        if key not in rope and hparams.get(key) is not None:
+            rope[key] = hparams[key]
     hparams["_rope"] = rope
     return hparams
 
@@ -516,6 +538,9 @@ def write_gguf(hf_dir: Path, out_path: Path, qtype: str = "F32") -> Path:
     tensors: list[tuple[str, torch.Tensor]] = []
     if arch == "llama" and (factors := _llama3_rope_factors(hparams)) is not None:
         tensors.append((gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight", factors))
+    longrope = _phi3_longrope(hparams) if arch == "phi3" else None
+    if longrope is not None:
+        tensors += longrope[1]
     for name, t in _read_safetensors(hf_dir):
         if name.endswith((".attention.masked_bias", ".attention.bias", ".rotary_emb.inv_freq")):
             continue
@@ -549,7 +574,10 @@ def write_gguf(hf_dir: Path, out_path: Path, qtype: str = "F32") -> Path:
     # --- metadata (ModelBase.prepare_metadata -> set_type, general.*, set_gguf_parameters) ---
     writer.add_type(gguf.GGUFType.MODEL)
     writer.add_name(f"tiny-{arch}")
-    _set_gguf_parameters(writer, hparams, arch, n_blocks, ftype)
+    if arch == "phi3":
+        _set_phi3_parameters(writer, hparams, n_blocks, ftype, longrope[0] if longrope is not None else None)
+    else:
+        _set_gguf_parameters(writer, hparams, arch, n_blocks, ftype)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     _set_vocab_gpt2(writer, hf_dir, hparams)
 
@@ -590,6 +618,54 @@ def _set_gguf_parameters(writer: gguf.GGUFWriter, hparams: dict, arch: str, n_bl
         writer.add_vocab_size(hparams["vocab_size"])
         rope_dim = hparams.get("head_dim") or hparams["hidden_size"] // hparams["num_attention_heads"]
         writer.add_rope_dimension_count(rope_dim)
+
+
+def _phi3_longrope(hparams: dict) -> tuple[float, list[tuple[str, torch.Tensor]]] | None:
+    """Phi3MiniModel.generate_extra_tensors: the attention factor and rope_factors_long / _short, or None.
+
+    The converter derives the attention factor from max / original context alone, where transformers takes the
+    scaling's own factor or attention_factor first; where they would disagree, raise (see _llama3_rope_factors)."""
+    rope = hparams["_rope"]
+    if not rope.get("long_factor"):
+        return None
+    original = rope["original_max_position_embeddings"]
+    scale = hparams["max_position_embeddings"] / original
+    if rope.get("rope_type", "").lower() not in ("su", "longrope"):
+        raise NotImplementedError(f"The rope scaling type {rope.get('rope_type')} is not supported yet")
+    attn_factor = math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1.0 else 1.0
+    if rope.get("factor") not in (None, scale) or rope.get("attention_factor") not in (None, attn_factor):
+        raise ValueError("longrope: llama.cpp's converter derives the attention factor from max_position_embeddings /"
+                         " original_max_position_embeddings only; leave out factor and attention_factor")
+    long, short = rope["long_factor"], rope.get("short_factor")
+    rope_dims = int(rope.get("partial_rotary_factor", 1.0) * hparams["hidden_size"]) // hparams["num_attention_heads"]
+    if short is None or len(long) != len(short) or len(long) != rope_dims / 2:
+        raise ValueError(f"The length of rope long and short factors must be {rope_dims / 2}")
+    return attn_factor, [
+        (gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FACTORS_LONG] + ".weight", torch.tensor(long, dtype=torch.float32)),
+        (gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FACTORS_SHORT] + ".weight", torch.tensor(short, dtype=torch.float32)),
+    ]
+
+
+def _set_phi3_parameters(writer: gguf.GGUFWriter, hparams: dict, n_blocks: int, ftype: gguf.LlamaFileType,
+                         attn_factor: float | None) -> None:
+    """Phi3MiniModel.set_gguf_parameters (no head_dim or vocab_size keys; 0 for no window), and the attention factor
+    its generate_extra_tensors writes with the longrope factors."""
+    rope = hparams["_rope"]
+    n_embd, n_head = hparams["hidden_size"], hparams["num_attention_heads"]
+    writer.add_context_length(hparams["max_position_embeddings"])
+    writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    writer.add_embedding_length(n_embd)
+    writer.add_feed_forward_length(hparams["intermediate_size"])
+    writer.add_block_count(n_blocks)
+    writer.add_head_count(n_head)
+    writer.add_head_count_kv(hparams["num_key_value_heads"])
+    writer.add_layer_norm_rms_eps(hparams["rms_norm_eps"])
+    writer.add_rope_dimension_count(int(rope.get("partial_rotary_factor", 1.0) * n_embd) // n_head)
+    writer.add_rope_freq_base(rope["rope_theta"])
+    writer.add_file_type(ftype)
+    writer.add_sliding_window(hparams.get("sliding_window") or 0)
+    if attn_factor is not None:
+        writer.add_rope_scaling_attn_factors(attn_factor)
 
 
 def _set_vocab_gpt2(writer: gguf.GGUFWriter, hf_dir: Path, hparams: dict) -> None:
@@ -645,8 +721,10 @@ def gguf_to_hf_name(arch: str, gguf_name: str, n_blocks: int) -> str | None:
     per_block = {
         "attn_norm": "input_layernorm", **norms,
         "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+        "attn_qkv": "self_attn.qkv_proj",
         "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
-        "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+        "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.gate_up_proj" if arch == "phi3" else "mlp.up_proj",
+        "ffn_down": "mlp.down_proj",
     }
     if parts[2] not in per_block:
         return None

@@ -1,6 +1,6 @@
 """ModelConfig: the architecture of a decoder-only transformer, whatever file it came from.
 
-Llama, Mistral, Qwen2, Qwen3, Gemma 2 and Gemma 3 are one transformer with different flags;
+Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3 and Phi-3 are one transformer with different flags;
 SUPPORTED_ARCHITECTURES says which flags each sets. Loaders (formats/gguf.py, formats/hf.py) fill in the
 rest (sizes, windows, soft-caps).
 """
@@ -27,6 +27,8 @@ SUPPORTED_ARCHITECTURES: dict[str, dict[str, Any]] = {
     "qwen3": {"qk_norm": True},
     "gemma2": _GEMMA,
     "gemma3": {**_GEMMA, "qk_norm": True},
+    # Llama with q/k/v and gate/up stored fused, a window on every layer (its sliding_window) and LongRoPE
+    "phi3": {"fused_projections": True},
 }
 GEMMA_ARCHITECTURES = ("gemma2", "gemma3")
 
@@ -55,10 +57,14 @@ class ModelConfig:
     rope_theta: float
     # None, or {"rope_type": "linear", "factor": f} or Llama 3's
     # {"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
+    # or Phi-3's {"rope_type": "longrope", "short_factor", "long_factor" (per rotated pair, frequency divisors),
+    # "original_max_position_embeddings", "attention_factor" (what cos and sin are multiplied by)}
     rope_scaling: dict[str, Any] | None = None
     tie_word_embeddings: bool = True
     attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
     qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3, Gemma 3)
+    # q/k/v and gate/up come as one matrix each (Phi-3's qkv_proj and gate_up_proj, GGUF's attn_qkv and ffn_up)
+    fused_projections: bool = False
     scale_embeddings: bool = False  # the embeddings are multiplied by sqrt(hidden_size) (Gemma)
     # a norm on the attention's and the MLP's outputs before each is added to the residual stream (Gemma 2/3)
     sandwich_norms: bool = False
@@ -185,9 +191,11 @@ def positive_float(value: Any, key: str, source: str) -> float:
     return float(value)
 
 
-def check_rope_scaling(scaling: Any, key: str, source: str) -> dict[str, Any] | None:
+def check_rope_scaling(scaling: Any, key: str, source: str, *, head_dim: int,
+                       context_length: int) -> dict[str, Any] | None:
     """A RoPE scaling dict (Hugging Face's rope_scaling / rope_parameters) as model/rope.py reads it, every
-    factor it uses present and finite; None for no scaling."""
+    factor it uses present and finite; None for no scaling. head_dim and context_length: the model's, which
+    LongRoPE's factors and default attention factor depend on."""
     if scaling is None:
         return None
     if not isinstance(scaling, Mapping):
@@ -197,7 +205,7 @@ def check_rope_scaling(scaling: Any, key: str, source: str) -> dict[str, Any] | 
         raise ModelFileError(f"{source}: {key}: rope_type = {kind!r:.80} is not a string")
     if kind in (None, "default"):
         return None
-    r = ConfigReader(scaling, source)
+    r = ConfigReader(scaling, f"{source}: {key}")
     if kind == "linear":
         return {"rope_type": "linear", "factor": r.number("factor")}
     if kind == "llama3":
@@ -214,7 +222,33 @@ def check_rope_scaling(scaling: Any, key: str, source: str) -> dict[str, Any] | 
                 f" low_freq_factor = {out['low_freq_factor']}"
             )
         return out
-    raise UnsupportedModelError(f"{source}: {key}: RoPE scaling type {kind!r:.80} is not supported (supported: linear, llama3)")
+    if kind in ("longrope", "su"):  # "su": Phi-3's first name for it
+        original = r.integer("original_max_position_embeddings", lo=2, hi=MAX_CONTEXT_LENGTH)
+        # transformers' _compute_longrope_parameters: the attention factor from the context's growth, unless given
+        factor = r.number("factor", context_length / original)
+        attention = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0
+        return longrope_scaling(
+            [r._get(name, _MISSING) for name in ("short_factor", "long_factor")], ("short_factor", "long_factor"),
+            head_dim, original, r.number("attention_factor", attention), r.source)
+    raise UnsupportedModelError(f"{source}: {key}: RoPE scaling type {kind!r:.80} is not supported (supported: linear,"
+                                " llama3, longrope)")
+
+
+def longrope_scaling(factors: list[Any], names: tuple[str, str], head_dim: int, original: int, attention_factor: float,
+                     source: str) -> dict[str, Any]:
+    """LongRoPE's scaling dict (see ModelConfig.rope_scaling) from its short and long factors, each a list of one
+    positive divisor per rotated pair of dimensions; names: theirs in the file, for its errors."""
+    pairs = head_dim // 2
+    checked = []
+    for values, name in zip(factors, names):
+        if not isinstance(values, (list, tuple)):
+            raise ModelFileError(f"{source}: {name} = {values!r:.80} is not a list of numbers")
+        if len(values) != pairs:
+            raise ModelFileError(f"{source}: {name} has {len(values)} factors, the head dimension {head_dim} needs"
+                                 f" {pairs} (one per rotated pair)")
+        checked.append(tuple(positive_float(v, f"{name}[{i}]", source) for i, v in enumerate(values)))
+    return {"rope_type": "longrope", "short_factor": checked[0], "long_factor": checked[1],
+            "original_max_position_embeddings": original, "attention_factor": attention_factor}
 
 
 def check_config(c: ModelConfig, keys: Mapping[str, str], source: str) -> None:
@@ -245,6 +279,13 @@ def windows_of_pattern(num_layers: int, window: int, period: int) -> tuple[int, 
     if period == 1:
         return (window,) * num_layers
     return tuple(window if i % period < period - 1 else 0 for i in range(num_layers))
+
+
+def phi3_windows(num_layers: int, window: int, context_length: int) -> tuple[int, ...]:
+    """Phi-3's window, on every layer, as transformers applies its sliding_window (llama.cpp has turned Phi's
+    window off, ggml-org/llama.cpp#13676). 0, or a window no shorter than the context, is none: Phi-3.5-mini and
+    Phi-4-mini ship 262144 over a context of 131072, which masks nothing."""
+    return windows_of_pattern(num_layers, window, 1) if 0 < window < context_length else ()
 
 
 def default_threads() -> int:

@@ -24,17 +24,20 @@ from churon.config import (
     MAX_CONTEXT_LENGTH,
     MAX_LAYERS,
     GEMMA_ARCHITECTURES,
+    SUPPORTED_ARCHITECTURES,
     ConfigReader,
     EncoderConfig,
     ModelConfig,
     PoolingConfig,
     check_architecture,
     check_config,
+    longrope_scaling,
+    phi3_windows,
     windows_of_pattern,
 )
 from churon.errors import ModelFileError, UnsupportedModelError
 from churon.formats import bert
-from churon.formats.quants import SUPPORTED_TYPES
+from churon.formats.quants import SUPPORTED_TYPES, dequantize
 from churon.formats.tensor_info import TensorInfo
 
 GGUF_MAGIC = b"GGUF"
@@ -332,11 +335,23 @@ _SANDWICH_BLOCK_NAMES = {
     "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }
 
+# Phi-3's q/k/v in one attn_qkv, and its gate and up stacked in ffn_up (gate first: llama.cpp's fused SwiGLU
+# activates the first half), passed on as they are
+_FUSED_BLOCK_NAMES = {
+    **{k: v for k, v in _BLOCK_NAMES.items() if k.split(".")[0] not in ("attn_q", "attn_k", "attn_v", "ffn_gate")},
+    "attn_qkv.weight": "self_attn.qkv_proj.weight",
+    "ffn_up.weight": "mlp.gate_up_proj.weight",
+}
+
 _FILE_NAMES = {v: k for k, v in _GLOBAL_NAMES.items()}
+# LongRoPE's frequency divisors (Phi-3), read into the config: the short factors and the long
+LONGROPE_TENSORS = ("rope_factors_short.weight", "rope_factors_long.weight")
 
 
 def _block_names(arch: str) -> dict[str, str]:
-    return _SANDWICH_BLOCK_NAMES if arch in GEMMA_ARCHITECTURES else _BLOCK_NAMES
+    if arch in GEMMA_ARCHITECTURES:
+        return _SANDWICH_BLOCK_NAMES
+    return _FUSED_BLOCK_NAMES if SUPPORTED_ARCHITECTURES.get(arch, {}).get("fused_projections") else _BLOCK_NAMES
 
 # llama.cpp's enum llama_pooling_type, as {arch}.pooling_type stores it: 0 none, 1 mean, 2 cls, 3 last, 4 rank
 POOLING_TYPES = {1: "mean", 2: "cls", 3: "last"}
@@ -416,19 +431,27 @@ class GGUFModel:
         size = self.path.stat().st_size
         heads = r.dimension(keys["num_heads"], size)
         hidden = r.dimension(keys["hidden_size"], size)
-        rope_scaling = None
+        head_dim = r.head_dim(keys, hidden, heads, size)
+        context_length = r.integer(keys["context_length"], hi=MAX_CONTEXT_LENGTH)
+        rope_scaling = self._longrope(arch, r, head_dim)
         scaling_type = f.get(keys["rope_scaling"])
         if scaling_type == "linear":
             rope_scaling = {"rope_type": "linear", "factor": r.number(arch + ".rope.scaling.factor")}
         elif not isinstance(scaling_type, (str, type(None))):
             raise ModelFileError(f"{self.path}: {keys['rope_scaling']} = {scaling_type!r:.80} is not a string")
-        elif scaling_type not in (None, "none"):
+        elif scaling_type == "longrope" and rope_scaling is None:
+            raise ModelFileError(f"{self.path}: {keys['rope_scaling']} is 'longrope' but tensor"
+                                 f" {LONGROPE_TENSORS[1]!r} is missing")
+        elif scaling_type not in (None, "none", "longrope"):
             raise UnsupportedModelError(
-                f"{self.path}: {keys['rope_scaling']} {scaling_type!r} is not supported (supported: linear)"
+                f"{self.path}: {keys['rope_scaling']} {scaling_type!r} is not supported (supported: linear, longrope)"
             )
         num_layers = r.integer(keys["num_layers"], hi=MAX_LAYERS, why=" (llama.cpp's LLAMA_MAX_LAYERS)")
         if arch in GEMMA_ARCHITECTURES:
             flags = {**flags, **self._gemma_fields(arch, r, keys, num_layers, hidden, heads)}
+        if arch == "phi3":  # its converter writes 0 for no window
+            window = r.integer(keys["sliding_window"], default=0, lo=0, hi=MAX_CONTEXT_LENGTH)
+            flags = {**flags, "layer_windows": phi3_windows(num_layers, window, context_length)}
         config = ModelConfig(
             architecture=arch,
             vocab_size=r.dimension(keys["vocab_size"], size, default=embed.shape[0]),  # Qwen files leave it out
@@ -437,8 +460,8 @@ class GGUFModel:
             num_layers=num_layers,
             num_heads=heads,
             num_kv_heads=r.dimension(keys["num_kv_heads"], size, default=heads),
-            head_dim=r.head_dim(keys, hidden, heads, size),
-            context_length=r.integer(keys["context_length"], hi=MAX_CONTEXT_LENGTH),
+            head_dim=head_dim,
+            context_length=context_length,
             rms_norm_eps=r.number(keys["rms_norm_eps"]),
             rope_theta=r.number(keys["rope_theta"], 10000.0),
             rope_scaling=rope_scaling,
@@ -454,6 +477,25 @@ class GGUFModel:
                 " (RoPE over part of a head is not supported)"
             )
         return config
+
+    def _longrope(self, arch: str, r: ConfigReader, head_dim: int) -> dict[str, Any] | None:
+        """LongRoPE (Phi-3) as llama.cpp reads it: both factor tensors, the original context and the attention
+        factor (1 when the file has none); None for a file without the tensors."""
+        present = [name for name in LONGROPE_TENSORS if name in self.file.tensors]
+        if not present:
+            return None
+        if len(present) == 1:
+            missing = next(name for name in LONGROPE_TENSORS if name not in present)
+            raise ModelFileError(f"{self.path}: tensor {missing!r} is missing: LongRoPE needs it beside {present[0]!r}")
+        factors = []
+        for name in LONGROPE_TENSORS:
+            t = self.file.tensors[name]
+            if len(t.shape) != 1:
+                raise ModelFileError(f"{self.path}: tensor {name!r} has shape {list(t.shape)}, expected one dimension")
+            factors.append(dequantize(t.data, t.qtype, t.shape, name=name).tolist())
+        original = r.integer(f"{arch}.rope.scaling.original_context_length", lo=2, hi=MAX_CONTEXT_LENGTH)
+        return longrope_scaling(factors, LONGROPE_TENSORS, head_dim, original,
+                                r.number(f"{arch}.rope.scaling.attn_factor", 1.0), str(self.path))
 
     def _gemma_fields(self, arch: str, r: ConfigReader, keys: dict[str, str], num_layers: int, hidden: int,
                       heads: int) -> dict[str, Any]:

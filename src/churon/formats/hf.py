@@ -20,6 +20,7 @@ from churon.config import (
     check_architecture,
     check_config,
     check_rope_scaling,
+    phi3_windows,
     positive_float,
     windows_of_pattern,
 )
@@ -146,11 +147,22 @@ class HFModel:
             rope_theta = ConfigReader(rope, source + ": rope_parameters").number("rope_theta", 10000.0)
         scaling_key = "rope_scaling" if cfg.get("rope_scaling") else "rope_parameters"
         scaling = cfg.get("rope_scaling") or {k: v for k, v in rope.items() if k != "rope_theta"}
+        if arch == "phi3" and isinstance(scaling, dict):
+            # transformers' Phi3Config takes the original context from the top level (4096 when it is absent),
+            # whatever the scaling says
+            original = r.integer("original_max_position_embeddings", 4096, hi=MAX_CONTEXT_LENGTH)
+            scaling = {**scaling, "original_max_position_embeddings": original}
+        partial = cfg.get("partial_rotary_factor", rope.get("partial_rotary_factor"))
+        if partial is not None and positive_float(partial, "partial_rotary_factor", source) != 1:
+            raise UnsupportedModelError(f"{source}: partial_rotary_factor = {partial} is not supported (RoPE over part"
+                                        " of each head, as Phi-4-mini has)")
         keys = _CONFIG_KEYS
         heads = r.dimension(keys["num_heads"], file_bytes)
         hidden = r.dimension(keys["hidden_size"], file_bytes)
+        head_dim = r.head_dim(keys, hidden, heads, file_bytes)
+        context_length = r.integer(keys["context_length"], hi=MAX_CONTEXT_LENGTH)
         num_layers = r.integer(keys["num_layers"], hi=MAX_LAYERS, why=" (llama.cpp's LLAMA_MAX_LAYERS)")
-        flags["layer_windows"] = _layer_windows(cfg, r, arch, num_layers, source)
+        flags["layer_windows"] = _layer_windows(cfg, r, arch, num_layers, context_length, source)
         if arch in GEMMA_ARCHITECTURES:
             flags |= _gemma_fields(cfg, r, arch, local_rope, source)
         config = ModelConfig(
@@ -161,11 +173,12 @@ class HFModel:
             num_layers=num_layers,
             num_heads=heads,
             num_kv_heads=r.dimension(keys["num_kv_heads"], file_bytes, default=heads),
-            head_dim=r.head_dim(keys, hidden, heads, file_bytes),
-            context_length=r.integer(keys["context_length"], hi=MAX_CONTEXT_LENGTH),
+            head_dim=head_dim,
+            context_length=context_length,
             rms_norm_eps=r.number(keys["rms_norm_eps"], 1e-6),
             rope_theta=rope_theta,
-            rope_scaling=check_rope_scaling(scaling, scaling_key, source),
+            rope_scaling=check_rope_scaling(scaling, scaling_key, source, head_dim=head_dim,
+                                            context_length=context_length),
             tie_word_embeddings=r.boolean("tie_word_embeddings", False),
             **flags,
             extra={"torch_dtype": cfg.get("torch_dtype", cfg.get("dtype"))},
@@ -239,12 +252,15 @@ class HFModel:
         return tensor
 
 
-def _layer_windows(cfg: dict[str, Any], r: ConfigReader, arch: str, num_layers: int, source: str) -> tuple[int, ...]:
+def _layer_windows(cfg: dict[str, Any], r: ConfigReader, arch: str, num_layers: int, context_length: int,
+                   source: str) -> tuple[int, ...]:
     """Per layer, its attention window (0: the whole history), as transformers reads the config: layer_types when
     given, else the architecture's pattern; Qwen's windows only with use_sliding_window."""
     if cfg.get("sliding_window") is None or cfg.get("use_sliding_window") is False:
         return ()
     window = r.integer("sliding_window", hi=MAX_CONTEXT_LENGTH)
+    if arch == "phi3":
+        return phi3_windows(num_layers, window, context_length)
     layer_types = cfg.get("layer_types")
     if layer_types is not None:
         if not isinstance(layer_types, list) or not all(t in _LAYER_TYPES for t in layer_types):

@@ -35,11 +35,23 @@ def rope_inv_freq(config: ModelConfig, freq_factors: torch.Tensor | None = None)
         scaled = torch.where(wavelen > original / low, inv_freq / factor, inv_freq)
         mid = (wavelen <= original / low) & (wavelen >= original / high)
         return torch.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
-    raise UnsupportedModelError(f"RoPE scaling type {kind!r} is not supported (supported: linear, llama3)")
+    if kind == "longrope":
+        # One set of factors, picked once by the context as llama.cpp picks it (the long ones where its n_ctx is past
+        # original_max_position_embeddings); churon's context is the model's context_length, what these tables are
+        # built for. transformers picks by each forward's sequence length instead, which keys already rotated in a
+        # KV cache cannot follow. The two agree while the context is within the original length (short factors)
+        # and for sequences longer than it (long).
+        long = config.context_length > scaling["original_max_position_embeddings"]
+        return inv_freq / torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float32)
+    raise UnsupportedModelError(f"RoPE scaling type {kind!r} is not supported (supported: linear, llama3, longrope)")
 
 
-def rope_tables(inv_freq: torch.Tensor, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin [max_positions, head_dim] for rotate-half RoPE (the Hugging Face / NeoX layout)."""
-    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq.float())
+def rope_tables(config: ModelConfig, freq_factors: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [context_length, head_dim] for rotate-half RoPE (the Hugging Face / NeoX layout), at the model's
+    scaled frequencies, times LongRoPE's attention factor (transformers and llama.cpp scale cos and sin by it,
+    whichever factors are in use)."""
+    freqs = torch.outer(torch.arange(config.context_length, dtype=torch.float32),
+                        rope_inv_freq(config, freq_factors).float())
     emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos().contiguous(), emb.sin().contiguous()
+    scale = (config.rope_scaling or {}).get("attention_factor", 1.0)
+    return (emb.cos() * scale).contiguous(), (emb.sin() * scale).contiguous()

@@ -1,4 +1,4 @@
-"""One decoder-only transformer; Llama, Mistral, Qwen2, Qwen3, Gemma 2 and Gemma 3 differ only by ModelConfig
+"""One decoder-only transformer; Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3 and Phi-3 differ only by ModelConfig
 flags (and the sizes, windows and soft-caps their files give).
 
 Weights come in as a dict with the canonical names listed by `expected_weight_shapes`
@@ -21,7 +21,7 @@ from churon.model.backend import Backend, KVCache, SequenceCache
 from churon.model.batch import ForwardBatch, SequenceChunk
 from churon.model.lora import LoraSlots
 from churon.model.reference_backend import ReferenceBackend
-from churon.model.rope import rope_inv_freq, rope_tables
+from churon.model.rope import rope_tables
 from churon.model.weights import RawWeight, concat_rows, dense
 
 
@@ -34,15 +34,20 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes["lm_head.weight"] = (c.vocab_size, c.hidden_size)
     for i in range(c.num_layers):
         a, m = f"layers.{i}.self_attn.", f"layers.{i}.mlp."
+        if c.fused_projections:
+            qkv = {a + "qkv_proj.weight": (q + 2 * kv, c.hidden_size)}
+            gate_up = {m + "gate_up_proj.weight": (2 * c.intermediate_size, c.hidden_size)}
+        else:
+            qkv = {a + "q_proj.weight": (q, c.hidden_size), a + "k_proj.weight": (kv, c.hidden_size),
+                   a + "v_proj.weight": (kv, c.hidden_size)}
+            gate_up = {m + "gate_proj.weight": (c.intermediate_size, c.hidden_size),
+                       m + "up_proj.weight": (c.intermediate_size, c.hidden_size)}
         shapes |= {
             f"layers.{i}.input_layernorm.weight": (c.hidden_size,),
             f"layers.{i}.{_mlp_norm_name(c)}": (c.hidden_size,),
-            a + "q_proj.weight": (q, c.hidden_size),
-            a + "k_proj.weight": (kv, c.hidden_size),
-            a + "v_proj.weight": (kv, c.hidden_size),
+            **qkv,
             a + "o_proj.weight": (c.hidden_size, q),
-            m + "gate_proj.weight": (c.intermediate_size, c.hidden_size),
-            m + "up_proj.weight": (c.intermediate_size, c.hidden_size),
+            **gate_up,
             m + "down_proj.weight": (c.hidden_size, c.intermediate_size),
         }
         if c.attention_bias:
@@ -62,6 +67,11 @@ def _mlp_norm_name(config: ModelConfig) -> str:
     """The norm before the MLP: Llama's post_attention_layernorm, which Gemma calls pre_feedforward_layernorm (its
     post_attention_layernorm is the norm on the attention's output)."""
     return "pre_feedforward_layernorm.weight" if config.sandwich_norms else "post_attention_layernorm.weight"
+
+
+def _stacked(config: ModelConfig, weights: dict[str, RawWeight], fused: str, parts: list[str]) -> RawWeight:
+    """A fused matrix as the file has it (Phi-3 stores it whole: passed on, not copied), else its parts stacked."""
+    return weights[fused] if config.fused_projections else concat_rows([weights[p] for p in parts])
 
 
 @dataclass
@@ -98,13 +108,14 @@ class LayerWeights:
             attn_out_norm, mlp_out_norm = (backend.vector(weights[p + name]) for name in _OUTPUT_NORM_NAMES)
         return cls(
             input_norm=backend.vector(weights[p + "input_layernorm.weight"]),
-            qkv=backend.matrix(concat_rows([weights[a + f"{x}_proj.weight"] for x in "qkv"])),
+            qkv=backend.matrix(_stacked(config, weights, a + "qkv_proj.weight", [a + f"{x}_proj.weight" for x in "qkv"])),
             qkv_bias=qkv_bias,
             q_norm=q_norm,
             k_norm=k_norm,
             o=backend.matrix(weights[a + "o_proj.weight"]),
             post_norm=backend.vector(weights[p + _mlp_norm_name(config)]),
-            gate_up=backend.matrix(concat_rows([weights[m + "gate_proj.weight"], weights[m + "up_proj.weight"]])),
+            gate_up=backend.matrix(_stacked(config, weights, m + "gate_up_proj.weight",
+                                            [m + "gate_proj.weight", m + "up_proj.weight"])),
             down=backend.matrix(weights[m + "down_proj.weight"]),
             window=config.window(layer),
             attn_out_norm=attn_out_norm,
@@ -210,11 +221,11 @@ class DecoderBlock:
         """freq_factors: per-dimension RoPE frequency divisors (GGUF's rope_freqs.weight, Llama 3 scaling)."""
         self.config = config
         self.backend = backend
-        self.cos, self.sin = rope_tables(rope_inv_freq(config, freq_factors), config.context_length)
+        self.cos, self.sin = rope_tables(config, freq_factors)
         self.local_cos, self.local_sin = self.cos, self.sin  # the windowed layers' (Gemma 3: another base)
         if config.rope_local_theta is not None:
             local = replace(config, rope_theta=config.rope_local_theta, rope_scaling=None)
-            self.local_cos, self.local_sin = rope_tables(rope_inv_freq(local), config.context_length)
+            self.local_cos, self.local_sin = rope_tables(local)
         self.scale = config.attention_scale
         c = config
         self.split = [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim]
