@@ -14,6 +14,7 @@ from churon.engine.kv_cache import SequenceKVCache
 from tiny_models import (
     DECODER_ARCHS,
     LLAMA3_ROPE_SCALING,
+    LLAMA32_ROPE_SCALING,
     MAX_POSITIONS,
     PHI3_LONGROPE,
     SLIDING_WINDOW,
@@ -92,6 +93,14 @@ def test_quantized_gguf_really_differs_from_the_fp32_model(hf_dir, tmp_path):
 def test_llama3_rope_scaling(source, tmp_path):
     hf = make_hf_model("llama", tmp_path / "hf", rope_scaling=LLAMA3_ROPE_SCALING)
     path = hf if source == "hf" else write_gguf(hf, tmp_path / "m.gguf", "F32")
+    compare_prefill_and_decode(path, reference_model(hf, None if source == "hf" else path))
+
+
+@pytest.mark.parametrize("source", ["hf", "Q8_0"])
+def test_llama_3_2(source, tmp_path):
+    """Llama 3.2's shape: llama3 RoPE scaling with its factor 32 and base 500000, tied embeddings, head_dim 64."""
+    hf = make_hf_model("llama", tmp_path / "hf", rope_scaling=LLAMA32_ROPE_SCALING, head_dim=64)
+    path = hf if source == "hf" else write_gguf(hf, tmp_path / "m.gguf", source)
     compare_prefill_and_decode(path, reference_model(hf, None if source == "hf" else path))
 
 

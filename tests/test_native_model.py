@@ -8,7 +8,7 @@ from churon import kernels
 from churon.engine.kv_cache import PagedKVCache, SequenceKVCache
 from churon.loader import load_model
 from churon.model.batch import ForwardBatch, SequenceChunk
-from tiny_models import DECODER_ARCHS, PHI3_LONGROPE, SLIDING_WINDOW, make_hf_model, write_gguf
+from tiny_models import DECODER_ARCHS, LLAMA32_ROPE_SCALING, PHI3_LONGROPE, SLIDING_WINDOW, make_hf_model, write_gguf
 
 pytestmark = pytest.mark.skipif(not kernels.native_available(), reason=kernels.reason)
 
@@ -41,6 +41,13 @@ def test_native_phi3_longrope(qtype, tmp_path):
     """Phi-3's long factors and their attention factor on cos and sin (an original context of 8: the long ones, see
     test_model_reference.py)."""
     hf = make_hf_model("phi3", tmp_path / "hf", rope_scaling={**PHI3_LONGROPE, "original_max_position_embeddings": 8})
+    assert_native_close(model_path(hf, qtype, tmp_path), TOLERANCE[qtype])
+
+
+@pytest.mark.parametrize("qtype", ["hf", "Q8_0"])
+def test_native_llama_3_2(qtype, tmp_path):
+    """Llama 3.2's shape: llama3 RoPE scaling with its factor 32 and base 500000, tied embeddings, head_dim 64."""
+    hf = make_hf_model("llama", tmp_path / "hf", rope_scaling=LLAMA32_ROPE_SCALING, head_dim=64)
     assert_native_close(model_path(hf, qtype, tmp_path), TOLERANCE[qtype])
 
 

@@ -145,6 +145,10 @@ LLAMA3_ROPE_SCALING = {
     "original_max_position_embeddings": 8192,
 }
 
+# Llama 3.2's (1B, 3B): factor 32 over an original 8192 positions, base 500000; with head_dim 64 (make_hf_model's
+# head_dim) every regime occurs too
+LLAMA32_ROPE_SCALING = {**LLAMA3_ROPE_SCALING, "factor": 32.0, "rope_theta": 500000.0}
+
 # Phi-3's longrope (make_hf_model("phi3", rope_scaling=...) with an original_max_position_embeddings): one frequency
 # divisor per rotated pair (head_dim 16: 8), short and long apart and neither all 1, as Phi-3.5-mini's
 PHI3_LONGROPE = {
@@ -278,6 +282,7 @@ def make_hf_model(
     chat_template: str = CHAT_TEMPLATE,
     max_positions: int = MAX_POSITIONS,
     query_pre_attn_scalar: int | None = None,
+    head_dim: int = HEAD_DIM,
 ) -> Path:
     """Build a tiny random fp32 model of `arch` and save it (safetensors + config + tokenizer files).
 
@@ -290,15 +295,17 @@ def make_hf_model(
     use_sliding_window false, as Qwen2.5 has. Transformers 5 loads both to the same model.
     chat_template: the tokenizer's (see make_tokenizer_files); max_positions: the context (tool-calling
     prompts, with their tools' schemas, need more than the default); query_pre_attn_scalar: Gemma's, when it is
-    not head_dim; rope_scaling: a llama's (LLAMA3_ROPE_SCALING) or a phi3's (PHI3_LONGROPE and an
-    original_max_position_embeddings). Returns out_dir."""
+    not head_dim; head_dim: a llama's (Llama 3.2 has 64), apart from hidden / heads. rope_scaling: a llama's
+    (LLAMA3_ROPE_SCALING) or a phi3's (PHI3_LONGROPE and an original_max_position_embeddings). Returns out_dir."""
     if arch not in DECODER_ARCHS:
         raise ValueError(f"unknown arch {arch!r}; expected one of {DECODER_ARCHS}")
     if rope_scaling is not None and arch not in ("llama", "phi3"):
         raise ValueError(f"rope_scaling is only supported for llama and phi3 here, not {arch!r}")
+    if head_dim != HEAD_DIM and arch != "llama":
+        raise ValueError(f"head_dim is only supported for llama here, not {arch!r}")
     out_dir = Path(out_dir)
     make_tokenizer_files(out_dir, chat_template)
-    model = _build_model(arch, out_dir, tie_word_embeddings, seed, rope_scaling, extra_vocab, max_positions)
+    model = _build_model(arch, out_dir, tie_word_embeddings, seed, rope_scaling, extra_vocab, max_positions, head_dim)
     if query_pre_attn_scalar is not None:
         model.config.query_pre_attn_scalar = query_pre_attn_scalar
     kwargs = {"max_shard_size": max_shard_size} if shard else {}
@@ -338,7 +345,7 @@ def _special_ids(hf_dir: Path) -> dict[str, int]:
 
 
 def _build_model(arch: str, tok_dir: Path, tie: bool, seed: int, rope_scaling: dict | None,
-                 extra_vocab: int, max_positions: int = MAX_POSITIONS) -> torch.nn.Module:
+                 extra_vocab: int, max_positions: int = MAX_POSITIONS, head_dim: int = HEAD_DIM) -> torch.nn.Module:
     import transformers
     from tokenizers import Tokenizer
 
@@ -365,7 +372,7 @@ def _build_model(arch: str, tok_dir: Path, tie: bool, seed: int, rope_scaling: d
         rope = {"rope_theta": ROPE_THETA, **rope_scaling}
         rope["rope_type"] = rope.pop("type", None) or rope.get("rope_type")
     if arch == "llama":
-        config = transformers.LlamaConfig(**common, head_dim=HEAD_DIM, attention_bias=False, mlp_bias=False,
+        config = transformers.LlamaConfig(**common, head_dim=head_dim, attention_bias=False, mlp_bias=False,
                                           rope_parameters=rope)
         cls = transformers.LlamaForCausalLM
     elif arch == "qwen2":
