@@ -155,14 +155,9 @@ def test_gemma_query_scale_of_its_own(tmp_path):
 
 
 def test_bf16_activations_stay_close(hf_dir):
-    """bf16 is a speed/memory option, not exact: its logits stay within a few percent of fp32's, or within twice
-    the distance transformers' own bf16 keeps (the six-layer tiny Gemma 3 amplifies rounding: 8% there)."""
-    import transformers
-
+    """bf16 is a speed/memory option, not exact: its logits stay within a few percent."""
     transformer, _, _ = load_model(hf_dir, dtype="bfloat16", kernels="reference")
     with torch.no_grad():
         expected = reference_model(hf_dir)(torch.tensor([PROMPT])).logits[0]
-        theirs = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.bfloat16, attn_implementation="eager")
-        their_diff = (theirs(torch.tensor([PROMPT])).logits[0].float() - expected).abs().max().item()
     actual = transformer(torch.tensor(PROMPT), 0, SequenceKVCache.for_model(transformer), all_logits=True)
-    assert_close_relative(actual, expected, rtol=max(0.05, 2 * their_diff / expected.abs().max().item()))
+    assert_close_relative(actual, expected, rtol=0.05)

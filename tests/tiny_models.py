@@ -423,8 +423,11 @@ def _gemma_common(common: dict) -> dict:
 
 def _randomize(model: torch.nn.Module, seed: int) -> None:
     """Give every parameter a seeded value large enough that mistakes show in the logits:
-    matrices ~ N(0, 0.15), norm weights ~ U(0.7, 1.3), biases ~ N(0, 0.1)."""
+    matrices ~ N(0, 0.15), norm weights ~ U(0.7, 1.3), biases ~ N(0, 0.1). Gemma's norms multiply by
+    1 + weight: theirs ~ U(-0.3, 0.3), the same scales (at 1.7-2.3 its four norms a layer make the model
+    chaotic: 8-bit or bf16 activations then move its logits by 10%)."""
     g = torch.Generator().manual_seed(seed)
+    norm_offset = -1.0 if model.config.model_type.startswith("gemma") else 0.0
     with torch.no_grad():
         for name, p in model.named_parameters():  # tied lm_head shares embed_tokens, visited once
             if p.ndim == 2:
@@ -432,7 +435,7 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
             elif name.endswith("bias"):
                 p.copy_(torch.randn(p.shape, generator=g) * 0.1)
             else:  # RMSNorm weights (input/post-attention/final, q_norm/k_norm)
-                p.copy_(0.7 + 0.6 * torch.rand(p.shape, generator=g))
+                p.copy_(0.7 + norm_offset + 0.6 * torch.rand(p.shape, generator=g))
 
 
 # --------------------------------------------------------------------------------------------------
