@@ -1,4 +1,5 @@
-"""churon vs llama.cpp (llama-cpp-python) on SmolLM2-135M-Instruct Q4_1, side by side in one run.
+"""churon vs llama.cpp (llama-cpp-python) on one GGUF (SmolLM2-135M-Instruct Q4_1 by default; --model gemma3-270m
+for Gemma 3 270M Q4_K_M), side by side in one run.
 
 Same GGUF, same thread count, batch 1:
   pp128, pp512  prompt processing tokens/s: one full prefill of a 128- / 512-token prompt on an empty cache
@@ -9,7 +10,7 @@ The prompts are the first tokens of the GNU GPL v3 (tests/data/GPL-3, a copy of 
 Each figure is the median of --repeats runs after one warm-up; the ratios are churon / peer.
 
     pip install llama-cpp-python transformers accelerate
-    python benchmarks/bench_llamacpp.py --threads 2 [--churon-dtype bfloat16] [--kernels ...] [--json out.json]
+    python benchmarks/bench_llamacpp.py --threads 2 [--model NAME|PATH] [--churon-dtype bfloat16] [--kernels ...] [--json out.json]
 
 churon is timed through its public API (LLM.generate and its metrics), llama.cpp through
 Llama.eval (prefill: one eval of the prompt; decode: eval([token]) plus an argmax per step).
@@ -126,6 +127,7 @@ def transformers_pp(path: Path, prompt: list[int], repeats: int) -> tuple[float,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--model", default="smollm2-135m", help="a registry name or a GGUF path")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--churon-dtype", default="float32")
     parser.add_argument("--kernels", default="auto", choices=["auto", "native", "reference"], help="churon's kernels")
@@ -133,7 +135,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    path = resolve_model("smollm2-135m")
+    path = resolve_model(args.model)
     t_start = time.perf_counter()
     load_start = os.getloadavg()[0]
     if load_start > 0.5:
@@ -178,7 +180,7 @@ def main() -> None:
     if "transformers bf16" in results:
         ratios["churon/transformers-bf16 pp512"] = results["churon"]["pp512"] / results["transformers bf16"]["pp512"]
 
-    print(f"\nSmolLM2-135M-Instruct Q4_1, {args.threads} threads, batch 1, median of {args.repeats}; "
+    print(f"\n{path.name}, {args.threads} threads, batch 1, median of {args.repeats}; "
           f"churon {args.churon_dtype}, kernels={args.kernels}")
     print(f"{'tok/s':<20}" + "".join(f"{k:>10}" for k in names))
     for engine, row in results.items():
