@@ -94,7 +94,8 @@ def test_tensor_of_the_wrong_shape(tiny_llama_q8, tmp_path):
 
 def test_unknown_architecture(tiny_llama_q8, tmp_path):
     path = rewrite_gguf(tiny_llama_q8, tmp_path / "mamba.gguf", arch="mamba")
-    with pytest.raises(UnsupportedModelError, match=r"'mamba'.*supported: gemma2, gemma3, llama, mistral, phi3, qwen2, qwen3"):
+    with pytest.raises(UnsupportedModelError, match=r"'mamba'.*supported: gemma2, gemma3, llama, mistral, mixtral, olmoe, phi3,"
+                                                 r" qwen2, qwen2moe, qwen3, qwen3moe"):
         load_model(path)
 
 
@@ -587,4 +588,66 @@ def test_unsupported_gguf_rope_scaling_names_the_key(tiny_phi3_longrope, tmp_pat
     _, path = tiny_phi3_longrope
     bad = rewrite_gguf(path, tmp_path / "bad.gguf", fields={"phi3.rope.scaling.type": ("yarn", T.STRING)})
     with pytest.raises(UnsupportedModelError, match=r"bad\.gguf: phi3\.rope\.scaling\.type 'yarn' is not supported"):
+        load_model(bad)
+
+
+# --------------------------------------------------------------------------------------------------
+# Mixture of experts: the expert counts a file gives against its expert tensors and each other
+# --------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_qwen3_moe(tmp_path_factory):
+    from tiny_models import make_hf_model, write_gguf
+
+    hf = make_hf_model("qwen3_moe", tmp_path_factory.mktemp("tiny-qwen3-moe"))
+    return hf, write_gguf(hf, tmp_path_factory.mktemp("tiny-qwen3-moe-gguf") / "moe.gguf", "Q8_0")
+
+
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        ({"fields": {"qwen3moe.expert_count": (4, T.UINT32)}},
+         r"tensor 'blk\.0\.ffn_gate_inp\.weight' holds 8 experts \(shape \[8, 64\]\), but qwen3moe\.expert_count = 4"),
+        ({"fields": {"qwen3moe.expert_used_count": (9, T.UINT32)}},
+         r"qwen3moe\.expert_used_count = 9 is more than 8 \(qwen3moe\.expert_count = 8\)"),
+        ({"fields": {"qwen3moe.expert_used_count": (0, T.UINT32)}}, r"qwen3moe\.expert_used_count = 0 must be at least 1"),
+        ({"drop_fields": ("qwen3moe.expert_count",)},
+         r"metadata field 'qwen3moe\.expert_count' is missing \(the file has expert tensors\)"),
+        ({"drop_fields": ("qwen3moe.expert_used_count",)}, r"field 'qwen3moe\.expert_used_count' is missing"),
+    ],
+    ids=["count-4-of-8", "used-9-of-8", "used-0", "count-missing", "used-missing"],
+)
+def test_lying_expert_counts_in_a_gguf_name_the_key(tiny_qwen3_moe, tmp_path, edit, match):
+    _, path = tiny_qwen3_moe
+    bad = rewrite_gguf(path, tmp_path / "bad.gguf", **edit)
+    with pytest.raises(ModelFileError, match=re.escape(str(bad)) + ": " + match):
+        load_model(bad)
+
+
+@pytest.mark.parametrize(
+    "config, match",
+    [
+        ({"num_experts_per_tok": 9}, r"num_experts_per_tok = 9 must be between 1 and num_experts = 8"),
+        ({"num_experts_per_tok": 0}, r"num_experts_per_tok = 0 must be at least 1"),
+        ({"num_local_experts": 4},
+         r"tensor 'model\.layers\.0\.mlp\.gate\.weight' has shape \[8, 64\], expected \[4, 64\]"),
+    ],
+    ids=["used-9-of-8", "used-0", "count-4-of-8"],
+)
+def test_lying_expert_counts_in_a_directory_name_the_field(tiny_qwen3_moe, tmp_path, config, match):
+    hf, _ = tiny_qwen3_moe
+    bad = _hf_copy(hf, tmp_path / "bad", config)
+    with pytest.raises(ModelFileError, match=match):
+        load_model(bad)
+
+
+def test_a_directory_missing_an_expert_names_its_tensor(tiny_qwen3_moe, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    hf, _ = tiny_qwen3_moe
+    bad = _hf_copy(hf, tmp_path / "bad")
+    tensors = load_file(bad / "model.safetensors")
+    del tensors["model.layers.1.mlp.experts.5.up_proj.weight"]
+    save_file(tensors, bad / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelFileError, match=r"tensor 'model\.layers\.1\.mlp\.experts\.5\.up_proj\.weight' is missing"):
         load_model(bad)

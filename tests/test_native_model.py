@@ -8,7 +8,15 @@ from churon import kernels
 from churon.engine.kv_cache import PagedKVCache, SequenceKVCache
 from churon.loader import load_model
 from churon.model.batch import ForwardBatch, SequenceChunk
-from tiny_models import DECODER_ARCHS, LLAMA32_ROPE_SCALING, PHI3_LONGROPE, SLIDING_WINDOW, make_hf_model, write_gguf
+from tiny_models import (
+    DECODER_ARCHS,
+    LLAMA32_ROPE_SCALING,
+    MOE_ARCHS,
+    PHI3_LONGROPE,
+    SLIDING_WINDOW,
+    make_hf_model,
+    write_gguf,
+)
 
 pytestmark = pytest.mark.skipif(not kernels.native_available(), reason=kernels.reason)
 
@@ -18,6 +26,9 @@ PROMPT = [5, 17, 42, 99, 3, 250, 7, 64, 128, 11, 300, 8, 19, 23, 77, 150, 201, 3
 # summation order differs. Quantized weights meet 8-bit activations (as in llama.cpp): on these
 # tiny random models, whose logits swing with every input, that moves logits by a few percent.
 TOLERANCE = {"hf": 1e-4, "F32": 1e-4, "F16": 1e-4, "Q8_0": 0.05, "Q4_0": 0.05, "Q4_1": 0.05}
+# An MoE token whose k-th and (k+1)-th experts score within the 8-bit activations' error of each other goes to the other
+# one: its logits then move by up to a quarter on these tiny models (float weights, no swap: the 1e-4 above holds)
+MOE_QUANTIZED_TOLERANCE = 0.3
 
 
 @pytest.fixture(scope="module", params=DECODER_ARCHS)
@@ -33,7 +44,10 @@ def model_path(hf_dir, qtype, tmp_path):
 
 @pytest.mark.parametrize("qtype", list(TOLERANCE))
 def test_native_logits_are_close_to_the_reference_path(hf_dir, qtype, tmp_path):
-    assert_native_close(model_path(hf_dir, qtype, tmp_path), TOLERANCE[qtype])
+    tolerance = TOLERANCE[qtype]
+    if hf_dir.name.startswith(MOE_ARCHS) and qtype.startswith("Q"):
+        tolerance = MOE_QUANTIZED_TOLERANCE
+    assert_native_close(model_path(hf_dir, qtype, tmp_path), tolerance)
 
 
 @pytest.mark.parametrize("qtype", ["hf", "Q8_0"])

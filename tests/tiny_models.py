@@ -41,7 +41,10 @@ import torch  # noqa: E402
 ARCHS = ("llama", "qwen2", "qwen3")  # the Llama-layout families (LoRA's tests run on these)
 # every decoder family; Gemma's layers add norms and windows, Mistral a window on every layer, Phi-3 fused
 # matrices and a window on every layer
-DECODER_ARCHS = ARCHS + ("mistral", "gemma2", "gemma3", "phi3")
+# mixture-of-experts families, by Hugging Face model_type: routed experts in place of the MLP (Qwen2-MoE: a shared
+# expert beside them; OLMoE: q/k norms over whole projections)
+MOE_ARCHS = ("qwen3_moe", "mixtral", "olmoe", "qwen2_moe")
+DECODER_ARCHS = ARCHS + ("mistral", "gemma2", "gemma3", "phi3") + MOE_ARCHS
 
 # Sizes shared by every tiny model (the brief's numbers; head_dim = hidden / heads).
 HIDDEN = 64
@@ -53,6 +56,15 @@ INTERMEDIATE = 128
 MAX_POSITIONS = 256
 ROPE_THETA = 10000.0
 RMS_EPS = 1e-6
+# The MoE models' experts: 8 of FFN 32, each token through 2; Qwen2-MoE's shared expert of 48
+N_EXPERTS = 8
+N_EXPERTS_USED = 2
+EXPERT_INTERMEDIATE = 32
+SHARED_EXPERT_INTERMEDIATE = 48
+# Routers more decisive than the other matrices' 0.15 would make them (whose k-th and (k+1)-th experts are often within
+# a few percent, where 8-bit activations swap them), yet not so decisive that the top expert takes all the weight
+ROUTER_STD = 1.0
+OLMOE_RMS_EPS = 1e-5  # llama.cpp's converter writes 1e-5 for every OLMoE, whatever its config says
 # Windows short enough that every test's prompt runs past them; Gemma 3 needs six layers for one global one
 SLIDING_WINDOW = 8
 GEMMA3_LAYERS = 6
@@ -171,7 +183,11 @@ QTYPES = {
 # convert_hf_to_gguf.py writes Mistral as llama (its LlamaModel), without the sliding window
 GGUF_ARCH = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3,
              "mistral": gguf.MODEL_ARCH.LLAMA, "gemma2": gguf.MODEL_ARCH.GEMMA2, "gemma3": gguf.MODEL_ARCH.GEMMA3,
-             "phi3": gguf.MODEL_ARCH.PHI3}
+             "phi3": gguf.MODEL_ARCH.PHI3, "mixtral": gguf.MODEL_ARCH.LLAMA, "qwen2_moe": gguf.MODEL_ARCH.QWEN2MOE,
+             "qwen3_moe": gguf.MODEL_ARCH.QWEN3MOE, "olmoe": gguf.MODEL_ARCH.OLMOE}
+LLAMA_LAYOUT = ("llama", "mistral", "mixtral")  # LlamaModel's conversions: q/k rows permuted, vocab_size written
+# build_moe_ffn's norm_w in llama.cpp: whether it renormalizes the top-k weights (Mixtral, written as llama: always)
+LLAMA_CPP_NORM_TOPK = {"mixtral": True, "qwen3_moe": True, "qwen2_moe": False, "olmoe": False}
 GEMMA = ("gemma2", "gemma3")
 
 TRAINING_TEXT = """\
@@ -399,6 +415,8 @@ def _build_model(arch: str, tok_dir: Path, tie: bool, seed: int, rope_scaling: d
         config = transformers.Phi3Config(**common, sliding_window=SLIDING_WINDOW, original_max_position_embeddings=original,
                                          rope_parameters=rope)
         cls = transformers.Phi3ForCausalLM
+    elif arch in MOE_ARCHS:
+        config, cls = _moe_config(transformers, arch, common, rope)
     else:
         rope = {"sliding_attention": {"rope_type": "default", "rope_theta": ROPE_THETA},
                 "full_attention": {"rope_type": "default", "rope_theta": GEMMA3_GLOBAL_THETA}}
@@ -415,6 +433,27 @@ def _build_model(arch: str, tok_dir: Path, tie: bool, seed: int, rope_scaling: d
     return model.eval()
 
 
+def _moe_config(transformers, arch: str, common: dict, rope: dict):
+    """A tiny MoE config and its model class: N_EXPERTS experts of EXPERT_INTERMEDIATE, N_EXPERTS_USED a token, the
+    top-k renormalized where llama.cpp does (Qwen3-MoE's releases set norm_topk_prob; Qwen2-MoE's and OLMoE's not)."""
+    experts = dict(num_experts_per_tok=N_EXPERTS_USED, rope_parameters=rope)
+    if arch == "mixtral":
+        return (transformers.MixtralConfig(**{**common, "intermediate_size": EXPERT_INTERMEDIATE}, head_dim=HEAD_DIM,
+                                           num_local_experts=N_EXPERTS, **experts), transformers.MixtralForCausalLM)
+    if arch == "olmoe":
+        common = {**common, "intermediate_size": EXPERT_INTERMEDIATE, "rms_norm_eps": OLMOE_RMS_EPS}
+        return (transformers.OlmoeConfig(**common, num_experts=N_EXPERTS, norm_topk_prob=False, **experts),
+                transformers.OlmoeForCausalLM)
+    qwen = dict(num_experts=N_EXPERTS, moe_intermediate_size=EXPERT_INTERMEDIATE, decoder_sparse_step=1,
+                mlp_only_layers=[], **experts)
+    if arch == "qwen3_moe":
+        return (transformers.Qwen3MoeConfig(**common, head_dim=HEAD_DIM, norm_topk_prob=True, **qwen),
+                transformers.Qwen3MoeForCausalLM)
+    return (transformers.Qwen2MoeConfig(**common, norm_topk_prob=False,
+                                        shared_expert_intermediate_size=SHARED_EXPERT_INTERMEDIATE, **qwen),
+            transformers.Qwen2MoeForCausalLM)
+
+
 def _gemma_common(common: dict) -> dict:
     """Gemma's configs name the activation hidden_activation: the tanh-approximated GELU."""
     out = {k: v for k, v in common.items() if k != "hidden_act"}
@@ -423,14 +462,16 @@ def _gemma_common(common: dict) -> dict:
 
 def _randomize(model: torch.nn.Module, seed: int) -> None:
     """Give every parameter a seeded value large enough that mistakes show in the logits:
-    matrices ~ N(0, 0.15), norm weights ~ U(0.7, 1.3), biases ~ N(0, 0.1). Gemma's norms multiply by
+    matrices ~ N(0, 0.15) (routers ~ N(0, ROUTER_STD)), norm weights ~ U(0.7, 1.3), biases ~ N(0, 0.1). Gemma's norms multiply by
     1 + weight: theirs ~ U(-0.3, 0.3), the same scales (at 1.7-2.3 its four norms a layer make the model
     chaotic: 8-bit or bf16 activations then move its logits by 10%)."""
     g = torch.Generator().manual_seed(seed)
     norm_offset = -1.0 if model.config.model_type.startswith("gemma") else 0.0
     with torch.no_grad():
         for name, p in model.named_parameters():  # tied lm_head shares embed_tokens, visited once
-            if p.ndim == 2:
+            if name.endswith("mlp.gate.weight"):  # a router
+                p.copy_(torch.randn(p.shape, generator=g) * ROUTER_STD)
+            elif p.ndim >= 2:  # matrices, and the experts' stacked [experts, rows, cols]
                 p.copy_(torch.randn(p.shape, generator=g) * 0.15)
             elif name.endswith("bias"):
                 p.copy_(torch.randn(p.shape, generator=g) * 0.1)
@@ -545,7 +586,14 @@ def write_gguf(hf_dir: Path, out_path: Path, qtype: str = "F32") -> Path:
     writer = gguf.GGUFWriter(path=None, arch=gguf.MODEL_ARCH_NAMES[model_arch])
 
     # --- tensors (TextModel.prepare_tensors: generate_extra_tensors first, then the checkpoint) ---
+    if arch in MOE_ARCHS and bool(hparams.get("norm_topk_prob", True)) != LLAMA_CPP_NORM_TOPK[arch]:
+        raise ValueError(f"{arch}: llama.cpp {'always' if LLAMA_CPP_NORM_TOPK[arch] else 'never'} renormalizes the top-k"
+                         f" router weights, the config says norm_topk_prob={hparams.get('norm_topk_prob')}")
+    if arch == "olmoe" and hparams["rms_norm_eps"] != OLMOE_RMS_EPS:
+        raise ValueError(f"olmoe: llama.cpp's converter writes rms_norm_eps {OLMOE_RMS_EPS}, the config has"
+                         f" {hparams['rms_norm_eps']}")
     tensors: list[tuple[str, torch.Tensor]] = []
+    experts: dict[str, torch.Tensor] = {}  # one layer's per-expert tensors until all have come (modify_tensors)
     if arch == "llama" and (factors := _llama3_rope_factors(hparams)) is not None:
         tensors.append((gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight", factors))
     longrope = _phi3_longrope(hparams) if arch == "phi3" else None
@@ -554,7 +602,7 @@ def write_gguf(hf_dir: Path, out_path: Path, qtype: str = "F32") -> Path:
     for name, t in _read_safetensors(hf_dir):
         if name.endswith((".attention.masked_bias", ".attention.bias", ".rotary_emb.inv_freq")):
             continue
-        if arch in ("llama", "mistral"):  # LlamaModel.modify_tensors: undo_permute
+        if arch in LLAMA_LAYOUT:  # LlamaModel.modify_tensors: undo_permute
             if name.endswith(("q_proj.weight", "q_proj.bias")):
                 t = permute_qk(t, n_head)
             if name.endswith(("k_proj.weight", "k_proj.bias")):
@@ -562,6 +610,10 @@ def write_gguf(hf_dir: Path, out_path: Path, qtype: str = "F32") -> Path:
         if arch in GEMMA and name.endswith("norm.weight"):  # Gemma2Model / Gemma3Model: (1 + weight) stored
             t = t + 1
         if arch == "gemma2" and name == "lm_head.weight":
+            continue
+        if ".experts." in name:
+            experts[name] = t
+            tensors += _stacked_experts(experts, name, hparams, tensor_map)
             continue
         new_name = tensor_map.get_name(name, try_suffixes=(".weight", ".bias"))
         if new_name is None:
@@ -572,7 +624,8 @@ def write_gguf(hf_dir: Path, out_path: Path, qtype: str = "F32") -> Path:
         data = t.to(torch.float32).numpy() if t.dtype not in (torch.float16, torch.float32) else t.numpy()
         n_dims = data.ndim
         q = data_qtype
-        if n_dims <= 1 or new_name.endswith("_norm.weight"):
+        # the routers stay F32 (prepare_tensors: FFN_GATE_INP, FFN_GATE_INP_SHEXP)
+        if n_dims <= 1 or new_name.endswith(("_norm.weight", "ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")):
             q = gguf.GGMLQuantizationType.F32
         try:
             qdata = gguf.quants.quantize(data, q)
@@ -592,6 +645,25 @@ def write_gguf(hf_dir: Path, out_path: Path, qtype: str = "F32") -> Path:
     _set_vocab_gpt2(writer, hf_dir, hparams)
 
     return _write_file(writer, out_path)
+
+
+def _stacked_experts(experts: dict[str, torch.Tensor], name: str, hparams: dict,
+                     tensor_map: gguf.TensorNameMap) -> list[tuple[str, torch.Tensor]]:
+    """Qwen2MoeModel / OlmoeModel / LlamaModel.modify_tensors: once a layer's 3 x experts tensors have come, each
+    matrix's experts stacked [experts, rows, cols] (down, gate, up; Mixtral's w1, w2, w3); before that, nothing."""
+    n_experts = hparams.get("num_local_experts") or hparams["num_experts"]
+    bid = int(name.split(".")[2])
+    prefix = f"model.layers.{bid}."
+    if sum(n.startswith(prefix) for n in experts) < n_experts * 3:
+        return []
+    mixtral = ".block_sparse_moe." in name
+    out = []
+    for w in ("w1", "w2", "w3") if mixtral else ("down_proj", "gate_proj", "up_proj"):
+        module = "block_sparse_moe" if mixtral else "mlp"
+        data = torch.stack([experts.pop(f"{prefix}{module}.experts.{x}.{w}.weight") for x in range(n_experts)])
+        merged = f"layers.{bid}.feed_forward.experts.{w}.weight" if mixtral else f"{prefix}mlp.experts.{w}.weight"
+        out.append((tensor_map.get_name(merged, try_suffixes=(".weight",)), data))
+    return out
 
 
 def _set_gguf_parameters(writer: gguf.GGUFWriter, hparams: dict, arch: str, n_blocks: int,
@@ -617,6 +689,13 @@ def _set_gguf_parameters(writer: gguf.GGUFWriter, hparams: dict, arch: str, n_bl
         writer.add_key_length(hparams["head_dim"])
         writer.add_value_length(hparams["head_dim"])
     writer.add_file_type(ftype)
+    if arch in MOE_ARCHS:  # TextModel: expert_count, expert_used_count; Qwen2MoeModel: the experts' FFN sizes
+        writer.add_expert_count(hparams.get("num_local_experts") or hparams["num_experts"])
+        writer.add_expert_used_count(hparams["num_experts_per_tok"])
+        if hparams.get("moe_intermediate_size") is not None:
+            writer.add_expert_feed_forward_length(hparams["moe_intermediate_size"])
+        if hparams.get("shared_expert_intermediate_size") is not None:
+            writer.add_expert_shared_feed_forward_length(hparams["shared_expert_intermediate_size"])
     if arch == "gemma2":
         writer.add_attn_logit_softcapping(hparams["attn_logit_softcapping"])
         writer.add_final_logit_softcapping(hparams["final_logit_softcapping"])
@@ -624,7 +703,7 @@ def _set_gguf_parameters(writer: gguf.GGUFWriter, hparams: dict, arch: str, n_bl
         writer.add_sliding_window(hparams["sliding_window"])
     if arch == "gemma3":  # Gemma3Model: the global layers' base (the windowed layers' is llama.cpp's constant)
         writer.add_rope_freq_base(hparams["_rope"]["full_attention"]["rope_theta"])
-    if arch in ("llama", "mistral"):
+    if arch in LLAMA_LAYOUT:
         writer.add_vocab_size(hparams["vocab_size"])
         rope_dim = hparams.get("head_dim") or hparams["hidden_size"] // hparams["num_attention_heads"]
         writer.add_rope_dimension_count(rope_dim)
@@ -735,9 +814,16 @@ def gguf_to_hf_name(arch: str, gguf_name: str, n_blocks: int) -> str | None:
         "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
         "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.gate_up_proj" if arch == "phi3" else "mlp.up_proj",
         "ffn_down": "mlp.down_proj",
+        # MoE: transformers holds each layer's experts fused, gate and up in one [experts, 2 x FFN, hidden]
+        "ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.gate_up_proj",
+        "ffn_up_exps": "mlp.experts.gate_up_proj", "ffn_down_exps": "mlp.experts.down_proj",
+        "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
+        "ffn_down_shexp": "mlp.shared_expert.down_proj", "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
     }
     if parts[2] not in per_block:
         return None
+    if parts[2].endswith("_exps"):  # a bare nn.Parameter, no .weight
+        return f"model.layers.{parts[1]}.{per_block[parts[2]]}"
     return f"model.layers.{parts[1]}.{per_block[parts[2]]}.{parts[3]}"
 
 
@@ -747,7 +833,7 @@ def gguf_tensor_as_hf(reader: gguf.GGUFReader, t, arch: str) -> torch.Tensor:
     shape = tuple(int(n) for n in reversed(t.shape.tolist()))  # GGML ne order -> numpy order
     data = data.reshape(shape)
     kind = t.name.split(".")[-2]
-    if arch in ("llama", "mistral") and kind in ("attn_q", "attn_k"):
+    if arch in LLAMA_LAYOUT and kind in ("attn_q", "attn_k"):
         n_head = _field(reader, "llama.attention.head_count" if kind == "attn_q" else "llama.attention.head_count_kv")
         data = unpermute_qk(data, n_head)
     if arch in GEMMA and t.name.endswith("norm.weight"):
@@ -786,6 +872,9 @@ def reference_model(hf_dir: Path, gguf_path: Path | None = None) -> torch.nn.Mod
                 raise KeyError(f"{gguf_path}: tensor {t.name!r} maps to {hf_name!r}, which the model lacks")
             value = gguf_tensor_as_hf(reader, t, arch)
             p = params[hf_name]
+            if t.name.endswith(("ffn_gate_exps.weight", "ffn_up_exps.weight")):  # its half of gate_up_proj's rows
+                half = p.shape[1] // 2
+                p = p[:, :half] if ".ffn_gate_exps." in t.name else p[:, half:]
             if tuple(p.shape) != tuple(value.shape):
                 raise ValueError(f"{gguf_path}: {t.name} has shape {tuple(value.shape)}, model wants {tuple(p.shape)}")
             p.copy_(value)

@@ -1,6 +1,7 @@
 """ModelConfig: the architecture of a decoder-only transformer, whatever file it came from.
 
-Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3 and Phi-3 are one transformer with different flags;
+Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3 and Phi-3 are one transformer with different flags, and so are the
+mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE), whose MLP is num_experts routed experts;
 SUPPORTED_ARCHITECTURES says which flags each sets. Loaders (formats/gguf.py, formats/hf.py) fill in the
 rest (sizes, windows, soft-caps).
 """
@@ -29,6 +30,12 @@ SUPPORTED_ARCHITECTURES: dict[str, dict[str, Any]] = {
     "gemma3": {**_GEMMA, "qk_norm": True},
     # Llama with q/k/v and gate/up stored fused, a window on every layer (its sliding_window) and LongRoPE
     "phi3": {"fused_projections": True},
+    # Mixture-of-experts families (named as GGUF's general.architecture; hf.py maps their model_type): a routed
+    # MLP whose sizes the files give. Mixtral is Llama with experts (llama.cpp writes it as a "llama" GGUF)
+    "mixtral": {"norm_topk_prob": True},
+    "qwen2moe": {"attention_bias": True},  # a shared expert beside the routed ones
+    "qwen3moe": {"qk_norm": True},
+    "olmoe": {"qk_norm": True, "qk_norm_per_head": False},
 }
 GEMMA_ARCHITECTURES = ("gemma2", "gemma3")
 
@@ -63,6 +70,7 @@ class ModelConfig:
     tie_word_embeddings: bool = True
     attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
     qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3, Gemma 3)
+    qk_norm_per_head: bool = True  # False: the norm is over all of q and all of k at once (OLMoE)
     # q/k/v and gate/up come as one matrix each (Phi-3's qkv_proj and gate_up_proj, GGUF's attn_qkv and ffn_up)
     fused_projections: bool = False
     scale_embeddings: bool = False  # the embeddings are multiplied by sqrt(hidden_size) (Gemma)
@@ -76,7 +84,23 @@ class ModelConfig:
     rope_local_theta: float | None = None  # RoPE base of the windowed layers, without scaling (Gemma 3); None: rope_theta's
     attn_logit_softcap: float = 0.0  # scores become c * tanh(s / c) before the softmax (Gemma 2); 0: none
     final_logit_softcap: float = 0.0  # likewise the logits (Gemma 2); 0: none
+    # Mixture of experts: num_experts SwiGLU experts of moe_intermediate_size on each MoE layer; a token runs through
+    # the num_experts_per_tok its router ranks highest (softmax over all experts, then the top k), their outputs
+    # weighted by those probabilities, renormalized over the k when norm_topk_prob (Mixtral, Qwen3-MoE's releases).
+    # 0 experts: a dense model
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    # Qwen2-MoE's shared expert, run on every token and scaled by sigmoid(shared_expert_gate . x); 0: none
+    shared_expert_intermediate_size: int = 0
+    # layers of an MoE model whose MLP is dense, of intermediate_size (Qwen's mlp_only_layers / decoder_sparse_step)
+    dense_layers: tuple[int, ...] = ()
     extra: dict[str, Any] = field(default_factory=dict)  # informational only (file type, name, ...)
+
+    def moe_layer(self, layer: int) -> bool:
+        """Whether layer's MLP is routed experts."""
+        return self.num_experts > 0 and layer not in self.dense_layers
 
     def window(self, layer: int) -> int:
         """How many positions back layer's attention sees, the query's own included; 0: all."""
@@ -264,6 +288,11 @@ def check_config(c: ModelConfig, keys: Mapping[str, str], source: str) -> None:
         raise ModelFileError(
             f"{source}: {keys['layer_windows']} gives {len(c.layer_windows)} layers' attention, the model has"
             f" {keys['num_layers']} = {c.num_layers}"
+        )
+    if c.num_experts and not 1 <= c.num_experts_per_tok <= c.num_experts:
+        raise ModelFileError(
+            f"{source}: {keys['num_experts_per_tok']} = {c.num_experts_per_tok} must be between 1 and"
+            f" {keys['num_experts']} = {c.num_experts} (the experts each token is routed to)"
         )
     window = max(c.layer_windows, default=0)
     if window > c.context_length:  # a window never reached says the file was written for another model

@@ -291,7 +291,16 @@ _CONFIG_KEYS = {
     "rope_scaling": "rope.scaling.type",
     "sliding_window": "attention.sliding_window",
     "layer_windows": "attention.sliding_window_pattern",
+    "num_experts": "expert_count",
+    "num_experts_per_tok": "expert_used_count",
+    "moe_intermediate_size": "expert_feed_forward_length",
+    "shared_expert_intermediate_size": "expert_shared_feed_forward_length",
 }
+# llama.cpp renormalizes the top-k router weights per architecture (build_moe_ffn's norm_w), unless the file says
+# {arch}.expert_weights_norm
+_NORM_TOPK = {"llama": True, "qwen3moe": True, "qwen2moe": False, "olmoe": False}
+# the stacked expert tensors a layer's expert_count must match (first dimension: the experts)
+_EXPERT_TENSORS = ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 
 # llama.cpp's windowed-layer patterns where the file has no {arch}.attention.sliding_window_pattern: every
 # period-th layer sees the whole history (llama_model::load_hparams)
@@ -324,6 +333,15 @@ _BLOCK_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    # mixture of experts: the router, the experts stacked [experts, rows, cols], Qwen2-MoE's shared expert and its gate
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "ffn_gate_exps.weight": "mlp.experts.gate_proj.weight",
+    "ffn_up_exps.weight": "mlp.experts.up_proj.weight",
+    "ffn_down_exps.weight": "mlp.experts.down_proj.weight",
+    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
+    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
 }
 
 # Gemma's four norms a layer: its ffn_norm is the norm before the MLP, as in Llama, but Hugging Face names that
@@ -452,11 +470,13 @@ class GGUFModel:
         if arch == "phi3":  # its converter writes 0 for no window
             window = r.integer(keys["sliding_window"], default=0, lo=0, hi=MAX_CONTEXT_LENGTH)
             flags = {**flags, "layer_windows": phi3_windows(num_layers, window, context_length)}
+        intermediate = r.dimension(keys["intermediate_size"], size)
+        flags = {**flags, **self._moe_fields(arch, r, keys, size, intermediate)}
         config = ModelConfig(
             architecture=arch,
             vocab_size=r.dimension(keys["vocab_size"], size, default=embed.shape[0]),  # Qwen files leave it out
             hidden_size=hidden,
-            intermediate_size=r.dimension(keys["intermediate_size"], size),
+            intermediate_size=intermediate,
             num_layers=num_layers,
             num_heads=heads,
             num_kv_heads=r.dimension(keys["num_kv_heads"], size, default=heads),
@@ -470,6 +490,7 @@ class GGUFModel:
             extra={"name": f.get("general.name"), "file_type": f.get("general.file_type")},
         )
         check_config(config, keys, source)
+        self._check_expert_tensors(config, keys)
         rope_dim = r.integer(arch + ".rope.dimension_count", default=config.head_dim)
         if rope_dim != config.head_dim:  # llama.cpp's n_rot: RoPE over part of each head
             raise UnsupportedModelError(
@@ -477,6 +498,42 @@ class GGUFModel:
                 " (RoPE over part of a head is not supported)"
             )
         return config
+
+    def _moe_fields(self, arch: str, r: ConfigReader, keys: dict[str, str], size: int,
+                    intermediate: int) -> dict[str, Any]:
+        """The experts as llama.cpp reads them: a model is MoE when the file gives {arch}.expert_count (its layer 0
+        having ffn_gate_inp otherwise: the key is missing); the experts' FFN size is expert_feed_forward_length,
+        else feed_forward_length (Mixtral, OLMoE) or, for Qwen's, feed_forward_length / expert_used_count."""
+        if self.file.get(keys["num_experts"]) is None:
+            if "blk.0.ffn_gate_inp.weight" in self.file.tensors:
+                raise ModelFileError(f"{self.path}: metadata field {keys['num_experts']!r} is missing (the file has"
+                                     " expert tensors)")
+            return {}
+        if arch not in _NORM_TOPK:
+            raise UnsupportedModelError(f"{self.path}: {keys['num_experts']} is given, but mixture-of-experts"
+                                        f" {arch} models are not supported (supported: {', '.join(_NORM_TOPK)})")
+        count = r.dimension(keys["num_experts"], size)
+        used = r.integer(keys["num_experts_per_tok"], hi=count, why=f" ({keys['num_experts']} = {count})")
+        default = intermediate // used if arch in ("qwen2moe", "qwen3moe") else intermediate
+        return {
+            "num_experts": count,
+            "num_experts_per_tok": used,
+            "moe_intermediate_size": r.dimension(keys["moe_intermediate_size"], size, default=default),
+            "norm_topk_prob": r.boolean(f"{arch}.expert_weights_norm", _NORM_TOPK[arch]),
+            "shared_expert_intermediate_size": r.integer(keys["shared_expert_intermediate_size"], default=0, lo=0,
+                                                         hi=size * 8) if arch == "qwen2moe" else 0,
+        }
+
+    def _check_expert_tensors(self, c: ModelConfig, keys: dict[str, str]) -> None:
+        """Every stacked expert tensor holds expert_count experts (its first dimension), named with the key."""
+        for i in range(c.num_layers if c.num_experts else 0):
+            for kind in _EXPERT_TENSORS:
+                t = self.file.tensors.get(f"blk.{i}.{kind}.weight")
+                if t is not None and t.shape[0] != c.num_experts:
+                    raise ModelFileError(
+                        f"{self.path}: tensor {t.name!r} holds {t.shape[0]} experts (shape {list(t.shape)}), but"
+                        f" {keys['num_experts']} = {c.num_experts}"
+                    )
 
     def _longrope(self, arch: str, r: ConfigReader, head_dim: int) -> dict[str, Any] | None:
         """LongRoPE (Phi-3) as llama.cpp reads it: both factor tensors, the original context and the attention

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -49,16 +50,23 @@ _CONFIG_KEYS = {
     "rope_theta": "rope_theta",
     "sliding_window": "sliding_window",
     "layer_windows": "layer_types",
+    "num_experts": "num_experts",  # Mixtral's num_local_experts
+    "num_experts_per_tok": "num_experts_per_tok",
 }
-# model_type -> the architecture it is (Gemma 3's text-only checkpoints)
-_ARCHITECTURE_OF = {"gemma3_text": "gemma3"}
+# model_type -> the architecture it is (Gemma 3's text-only checkpoints; the MoE families by their GGUF names)
+_ARCHITECTURE_OF = {"gemma3_text": "gemma3", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}
+# An expert's matrix, one tensor per expert as save_pretrained writes them (Mixtral names them w1 / w3 / w2), and its
+# canonical name: the experts stacked [experts, rows, cols] as GGUF holds them
+_EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
+_EXPERT_MATRICES = {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj", "w1": "gate_proj",
+                    "w3": "up_proj", "w2": "down_proj"}
 # Without layer_types (transformers 4 configs): every period-th layer sees the whole history
-_SWA_PERIODS = {"mistral": 1, "gemma2": 2, "gemma3": 6}
+_SWA_PERIODS = {"mistral": 1, "mixtral": 1, "gemma2": 2, "gemma3": 6}
 _LAYER_TYPES = {"sliding_attention": True, "full_attention": False}
 
 
 def _canonical_name(hf_name: str) -> str:
-    return hf_name.removeprefix("model.")
+    return hf_name.removeprefix("model.").replace(".block_sparse_moe.gate.", ".mlp.gate.")  # Mixtral's router
 
 
 def is_bert(cfg: dict[str, Any]) -> bool:
@@ -102,14 +110,21 @@ class HFModel:
                 raise
             except Exception as e:  # safetensors raises SafetensorError for bad headers and truncated data
                 raise ModelFileError(f"{shard}: not a readable safetensors file: {e}") from e
+        # canonical name of a stacked expert tensor -> its experts' tensors in the file, by expert index
+        self._experts: dict[str, dict[int, str]] = {}
         self._file_names = self._canonical_names()
 
     def _canonical_names(self) -> dict[str, str]:
         """Canonical name -> the file's name, for every tensor the model reads (a BERT's pooler and heads
-        are not read)."""
+        are not read); an expert's tensors go to self._experts."""
         encoder = isinstance(self.config, EncoderConfig)
         out: dict[str, str] = {}
         for name in self._index:
+            expert = None if encoder else _EXPERT.fullmatch(name)
+            if expert is not None and expert[3] in _EXPERT_MATRICES:
+                canonical = f"layers.{expert[1]}.mlp.experts.{_EXPERT_MATRICES[expert[3]]}.weight"
+                self._experts.setdefault(canonical, {})[int(expert[2])] = name
+                continue
             canonical = bert.canonical_from_hf(name) if encoder else _canonical_name(name)
             if canonical is None:
                 continue
@@ -165,6 +180,8 @@ class HFModel:
         flags["layer_windows"] = _layer_windows(cfg, r, arch, num_layers, context_length, source)
         if arch in GEMMA_ARCHITECTURES:
             flags |= _gemma_fields(cfg, r, arch, local_rope, source)
+        if arch in _MOE_ARCHITECTURES:
+            flags |= _moe_fields(cfg, r, arch, num_layers, file_bytes, source)
         config = ModelConfig(
             architecture=arch,
             vocab_size=r.dimension(keys["vocab_size"], file_bytes),
@@ -209,7 +226,18 @@ class HFModel:
         return [info for _, info in self._index.values()]
 
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
-        return {canonical: self._index[name][1].shape for canonical, name in self._file_names.items()}
+        shapes = {canonical: self._index[name][1].shape for canonical, name in self._file_names.items()}
+        for canonical, names in self._experts.items():
+            missing = next((e for e in range(len(names)) if e not in names), None)
+            if missing is not None:  # experts 0..n-1, each once
+                raise ModelFileError(f"{self.path}: tensor {self.file_name(canonical, missing)!r} is missing")
+            first = self._index[names[0]][1].shape
+            for e in range(len(names)):
+                if self._index[names[e]][1].shape != first:
+                    raise ModelFileError(f"{self.path}: tensor {names[e]!r} has shape {list(self._index[names[e]][1].shape)},"
+                                         f" expert 0's has {list(first)}")
+            shapes[canonical] = (len(names), *first)
+        return shapes
 
     def check_types(self) -> None:
         """safetensors float types are all readable; an integer weight is a quantization churon does not know."""
@@ -220,20 +248,28 @@ class HFModel:
                     f" (supported: {', '.join(FLOAT_DTYPES)})"
                 )
 
-    def file_name(self, canonical: str) -> str:
-        """The name this directory uses (or would use) for a canonical tensor name."""
+    def file_name(self, canonical: str, expert: int = 0) -> str:
+        """The name this directory uses (or would use) for a canonical tensor name (a stacked expert tensor: that of
+        its expert `expert`)."""
+        if ".experts." in canonical:
+            return self._experts.get(canonical, {}).get(expert) or "model." + canonical.replace(
+                ".experts.", f".experts.{expert}.")
         if canonical in self._file_names:
             return self._file_names[canonical]
         return canonical if isinstance(self.config, EncoderConfig) else "model." + canonical
 
     def load_weights(self) -> dict[str, torch.Tensor]:
         weights = {canonical: self._read(name) for canonical, name in self._file_names.items()}
+        weights |= {canonical: self.load_tensor(canonical) for canonical in self._experts}
         if isinstance(self.config, ModelConfig) and self.config.tie_word_embeddings:
             weights.pop("lm_head.weight", None)
         return weights
 
     def load_tensor(self, canonical: str) -> torch.Tensor:
         """One tensor as float32, read on its own (quantization holds one transformer block at a time)."""
+        if canonical in self._experts:
+            names = self._experts[canonical]
+            return torch.stack([self._read(names[e]) for e in range(len(names))])
         name = self.file_name(canonical)
         if name not in self._index:
             raise ModelFileError(f"{self.path}: no tensor {canonical!r}")
@@ -274,6 +310,40 @@ def _layer_windows(cfg: dict[str, Any], r: ConfigReader, arch: str, num_layers: 
         return ()
     period = r.integer("sliding_window_pattern", default=_SWA_PERIODS[arch], hi=num_layers)
     return windows_of_pattern(num_layers, window, period)
+
+
+_MOE_ARCHITECTURES = ("mixtral", "qwen2moe", "qwen3moe", "olmoe")  # the MoE families a directory may hold
+
+
+def _moe_fields(cfg: dict[str, Any], r: ConfigReader, arch: str, num_layers: int, file_bytes: int,
+                source: str) -> dict[str, Any]:
+    """The experts as transformers builds them: their count, top-k, FFN size (Qwen's moe_intermediate_size, else
+    intermediate_size), the top-k renormalization (Mixtral always), Qwen2-MoE's shared expert and q/k/v biases,
+    Qwen's dense layers (mlp_only_layers, and those decoder_sparse_step skips)."""
+    # transformers 5 writes Qwen3-MoE's num_experts as num_local_experts (its attribute_map), as Mixtral has it
+    count_key = "num_local_experts" if cfg.get("num_local_experts") is not None else "num_experts"
+    count = r.dimension(count_key, file_bytes)
+    fields: dict[str, Any] = {
+        "num_experts": count,
+        "num_experts_per_tok": r.integer("num_experts_per_tok"),
+        "moe_intermediate_size": r.dimension("moe_intermediate_size" if arch.startswith("qwen") else "intermediate_size",
+                                             file_bytes),
+    }
+    if arch != "mixtral":
+        fields["norm_topk_prob"] = r.boolean("norm_topk_prob", False)
+    if arch == "olmoe" and cfg.get("clip_qkv") is not None:
+        raise UnsupportedModelError(f"{source}: clip_qkv = {cfg['clip_qkv']!r:.80} is not supported")
+    if arch == "qwen2moe":
+        fields["attention_bias"] = r.boolean("qkv_bias", True)
+        fields["shared_expert_intermediate_size"] = r.integer("shared_expert_intermediate_size", default=0, lo=0,
+                                                              hi=file_bytes * 8)
+    if arch.startswith("qwen"):
+        only = cfg.get("mlp_only_layers") or []
+        if not isinstance(only, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in only):
+            raise ModelFileError(f"{source}: mlp_only_layers = {only!r:.80} is not a list of layer numbers")
+        step = r.integer("decoder_sparse_step", default=1)
+        fields["dense_layers"] = tuple(i for i in range(num_layers) if i in only or (i + 1) % step)
+    return fields
 
 
 def _gemma_fields(cfg: dict[str, Any], r: ConfigReader, arch: str, local_rope: dict[str, Any] | None,

@@ -1,5 +1,6 @@
 """One decoder-only transformer; Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3 and Phi-3 differ only by ModelConfig
-flags (and the sizes, windows and soft-caps their files give).
+flags (and the sizes, windows and soft-caps their files give); so do the mixture-of-experts families (Mixtral,
+Qwen2-MoE, Qwen3-MoE, OLMoE), whose MLP is routed experts (`DecoderBlock.moe`).
 
 Weights come in as a dict with the canonical names listed by `expected_weight_shapes`
 (Hugging Face's names without the "model." prefix), as GGUF bytes or float tensors; the
@@ -22,7 +23,7 @@ from churon.model.batch import ForwardBatch, SequenceChunk
 from churon.model.lora import LoraSlots
 from churon.model.reference_backend import ReferenceBackend
 from churon.model.rope import rope_tables
-from churon.model.weights import RawWeight, concat_rows, dense
+from churon.model.weights import RawWeight, concat_rows, dense, experts
 
 
 def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -36,26 +37,43 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         a, m = f"layers.{i}.self_attn.", f"layers.{i}.mlp."
         if c.fused_projections:
             qkv = {a + "qkv_proj.weight": (q + 2 * kv, c.hidden_size)}
-            gate_up = {m + "gate_up_proj.weight": (2 * c.intermediate_size, c.hidden_size)}
+            mlp = {m + "gate_up_proj.weight": (2 * c.intermediate_size, c.hidden_size)}
         else:
             qkv = {a + "q_proj.weight": (q, c.hidden_size), a + "k_proj.weight": (kv, c.hidden_size),
                    a + "v_proj.weight": (kv, c.hidden_size)}
-            gate_up = {m + "gate_proj.weight": (c.intermediate_size, c.hidden_size),
-                       m + "up_proj.weight": (c.intermediate_size, c.hidden_size)}
+            mlp = {m + "gate_proj.weight": (c.intermediate_size, c.hidden_size),
+                   m + "up_proj.weight": (c.intermediate_size, c.hidden_size)}
+        if c.moe_layer(i):
+            mlp = _moe_shapes(c, m)
+        else:
+            mlp[m + "down_proj.weight"] = (c.hidden_size, c.intermediate_size)
         shapes |= {
             f"layers.{i}.input_layernorm.weight": (c.hidden_size,),
             f"layers.{i}.{_mlp_norm_name(c)}": (c.hidden_size,),
             **qkv,
             a + "o_proj.weight": (c.hidden_size, q),
-            **gate_up,
-            m + "down_proj.weight": (c.hidden_size, c.intermediate_size),
+            **mlp,
         }
         if c.attention_bias:
             shapes |= {a + "q_proj.bias": (q,), a + "k_proj.bias": (kv,), a + "v_proj.bias": (kv,)}
         if c.qk_norm:
-            shapes |= {a + "q_norm.weight": (c.head_dim,), a + "k_norm.weight": (c.head_dim,)}
+            q_norm, k_norm = ((c.head_dim,), (c.head_dim,)) if c.qk_norm_per_head else ((q,), (kv,))
+            shapes |= {a + "q_norm.weight": q_norm, a + "k_norm.weight": k_norm}
         if c.sandwich_norms:
             shapes |= {f"layers.{i}.{name}": (c.hidden_size,) for name in _OUTPUT_NORM_NAMES}
+    return shapes
+
+
+def _moe_shapes(c: ModelConfig, m: str) -> dict[str, tuple[int, ...]]:
+    """An MoE layer's MLP: the router [experts, hidden], the experts' matrices stacked [experts, rows, cols] (as GGUF
+    stores them; a Hugging Face directory's per-expert tensors are stacked by formats/hf.py) and the shared expert."""
+    e, f, hidden = c.num_experts, c.moe_intermediate_size, c.hidden_size
+    shapes = {m + "gate.weight": (e, hidden), m + "experts.gate_proj.weight": (e, f, hidden),
+              m + "experts.up_proj.weight": (e, f, hidden), m + "experts.down_proj.weight": (e, hidden, f)}
+    s = c.shared_expert_intermediate_size
+    if s:
+        shapes |= {m + "shared_expert.gate_proj.weight": (s, hidden), m + "shared_expert.up_proj.weight": (s, hidden),
+                   m + "shared_expert.down_proj.weight": (hidden, s), m + "shared_expert_gate.weight": (1, hidden)}
     return shapes
 
 
@@ -86,11 +104,18 @@ class LayerWeights:
     k_norm: Any | None
     o: Any
     post_norm: Any  # the norm before the MLP
-    gate_up: Any  # gate and up projections stacked by rows
-    down: Any
+    gate_up: Any | None  # gate and up projections stacked by rows (None on an MoE layer)
+    down: Any | None
     window: int = 0  # how many positions back the attention sees, the query's own included (0: all)
     attn_out_norm: Any | None = None  # Gemma: the norms on the attention's and the MLP's outputs
     mlp_out_norm: Any | None = None
+    # an MoE layer: the router [experts, hidden] and each expert's gate/up and down as matrices of their own
+    router: Any | None = None
+    experts_gate_up: list[Any] | None = None
+    experts_down: list[Any] | None = None
+    shared_gate_up: Any | None = None  # Qwen2-MoE's shared expert and its gate [1, hidden]
+    shared_down: Any | None = None
+    shared_gate: Any | None = None
 
     @classmethod
     def build(cls, config: ModelConfig, layer: int, weights: dict[str, RawWeight], backend: Backend) -> "LayerWeights":
@@ -106,6 +131,12 @@ class LayerWeights:
         attn_out_norm = mlp_out_norm = None
         if config.sandwich_norms:
             attn_out_norm, mlp_out_norm = (backend.vector(weights[p + name]) for name in _OUTPUT_NORM_NAMES)
+        if config.moe_layer(layer):
+            mlp = _moe_weights(config, m, weights, backend)
+        else:
+            mlp = {"gate_up": backend.matrix(_stacked(config, weights, m + "gate_up_proj.weight",
+                                                      [m + "gate_proj.weight", m + "up_proj.weight"])),
+                   "down": backend.matrix(weights[m + "down_proj.weight"])}
         return cls(
             input_norm=backend.vector(weights[p + "input_layernorm.weight"]),
             qkv=backend.matrix(_stacked(config, weights, a + "qkv_proj.weight", [a + f"{x}_proj.weight" for x in "qkv"])),
@@ -114,13 +145,26 @@ class LayerWeights:
             k_norm=k_norm,
             o=backend.matrix(weights[a + "o_proj.weight"]),
             post_norm=backend.vector(weights[p + _mlp_norm_name(config)]),
-            gate_up=backend.matrix(_stacked(config, weights, m + "gate_up_proj.weight",
-                                            [m + "gate_proj.weight", m + "up_proj.weight"])),
-            down=backend.matrix(weights[m + "down_proj.weight"]),
             window=config.window(layer),
             attn_out_norm=attn_out_norm,
             mlp_out_norm=mlp_out_norm,
+            **{"gate_up": None, "down": None, **mlp},
         )
+
+
+def _moe_weights(config: ModelConfig, m: str, weights: dict[str, RawWeight], backend: Backend) -> dict[str, Any]:
+    """An MoE layer's LayerWeights fields: each expert's slices of the stacked tensors as matrices of their own (its
+    gate and up stacked by rows), so a step runs an expert's matmuls over just its tokens, on the bytes as stored."""
+    gates, ups, downs = (experts(weights[m + f"experts.{x}_proj.weight"]) for x in ("gate", "up", "down"))
+    out = {"router": backend.matrix(weights[m + "gate.weight"]),
+           "experts_gate_up": [backend.matrix(concat_rows([g, u])) for g, u in zip(gates, ups)],
+           "experts_down": [backend.matrix(d) for d in downs]}
+    if config.shared_expert_intermediate_size:
+        s = m + "shared_expert."
+        out |= {"shared_gate_up": backend.matrix(concat_rows([weights[s + "gate_proj.weight"], weights[s + "up_proj.weight"]])),
+                "shared_down": backend.matrix(weights[s + "down_proj.weight"]),
+                "shared_gate": backend.matrix(weights[m + "shared_expert_gate.weight"])}
+    return out
 
 
 class Transformer:
@@ -157,9 +201,10 @@ class Transformer:
     def weight_bytes(self) -> int:
         objects = {id(self.embed_tokens): self.embed_tokens, id(self.lm_head): self.lm_head, id(self.norm): self.norm}
         for layer in self.layers:
-            for w in vars(layer).values():
-                if hasattr(w, "nbytes"):  # weights, not the layer's window
-                    objects[id(w)] = w
+            for value in vars(layer).values():
+                for w in value if isinstance(value, list) else [value]:  # an MoE layer's experts come as lists
+                    if hasattr(w, "nbytes"):  # weights, not the layer's window
+                        objects[id(w)] = w
         return sum(w.nbytes for w in objects.values())  # torch tensors and native matrices alike
 
     def __call__(self, tokens: torch.Tensor, start: int, cache: SequenceCache, all_logits: bool = False,
@@ -244,11 +289,12 @@ class DecoderBlock:
         qkv = b.linear(layer.qkv, h, layer.qkv_bias)
         if lora:  # the adapters' deltas on the bias-added q/k/v, before q/k norm and RoPE
             self.add_lora(lora, "qkv", qkv, h, batch)
-        if layer.q_norm is not None:  # Qwen3: RMSNorm over each head of q and of k, before RoPE
+        if layer.q_norm is not None:  # Qwen3: RMSNorm over each head of q and of k, before RoPE; OLMoE: over all of q, k
             q_size, kv_size = self.split[0], self.split[1]
-            qkv[:, :q_size] = b.rms_norm(qkv[:, :q_size].reshape(-1, c.head_dim), layer.q_norm, eps).view(n, -1)
+            width = c.head_dim if c.qk_norm_per_head else None
+            qkv[:, :q_size] = b.rms_norm(qkv[:, :q_size].reshape(-1, width or q_size), layer.q_norm, eps).view(n, -1)
             k_cols = slice(q_size, q_size + kv_size)
-            qkv[:, k_cols] = b.rms_norm(qkv[:, k_cols].reshape(-1, c.head_dim), layer.k_norm, eps).view(n, -1)
+            qkv[:, k_cols] = b.rms_norm(qkv[:, k_cols].reshape(-1, width or kv_size), layer.k_norm, eps).view(n, -1)
         cos, sin = (self.local_cos, self.local_sin) if layer.window else (self.cos, self.sin)
         q = b.rope_and_cache(qkv, self.heads, batch, cos, sin, cache, cache_layer)
         attn = b.attention(q, cache, cache_layer, batch, self.scale, window=layer.window,
@@ -259,6 +305,8 @@ class DecoderBlock:
         if layer.attn_out_norm is not None:
             o = b.rms_norm(o, layer.attn_out_norm, eps)
         h = b.add_rms_norm(x, o, layer.post_norm, eps)
+        if layer.router is not None:
+            return self.moe(layer, h)
         # gated MLP: SwiGLU, or GeGLU (Gemma)
         gate_up = b.linear(layer.gate_up, h)
         if lora:
@@ -271,6 +319,33 @@ class DecoderBlock:
             down = b.rms_norm(down, layer.mlp_out_norm, eps)
         return down
 
+    def moe(self, layer: LayerWeights, h: torch.Tensor) -> torch.Tensor:
+        """The routed MLP of h [tokens, hidden]: each token's top-k experts' SwiGLU outputs, weighted by the router's
+        probabilities, summed in the order of the token's own ranking (plus the shared expert's, gated).
+
+        The step's tokens are grouped by expert, and each expert's two matmuls run once over its tokens; on the native
+        kernels a row's result does not depend on the other rows, and the routing below is row by row (softmax and
+        top-k along each row, then elementwise products and sums), so a token's bits do not depend on its batch."""
+        b, c = self.backend, self.config
+        probs = torch.softmax(b.linear(layer.router, h).float(), dim=-1)
+        weights, chosen = torch.topk(probs, c.num_experts_per_tok, dim=-1)  # [tokens, k], best first
+        if c.norm_topk_prob:
+            weights = weights / _sum_columns(weights)[:, None]
+        per_rank = torch.zeros(h.shape[0], c.num_experts_per_tok, c.hidden_size, dtype=h.dtype)
+        for e in chosen.unique().tolist():
+            tokens, ranks = (chosen == e).nonzero(as_tuple=True)
+            y = b.linear(layer.experts_down[e], b.swiglu(b.linear(layer.experts_gate_up[e], h[tokens])))
+            per_rank[tokens, ranks] = y * weights[tokens, ranks, None].to(y.dtype)
+        out = _sum_columns(per_rank)
+        if layer.shared_gate_up is not None:
+            shared = b.linear(layer.shared_down, b.swiglu(b.linear(layer.shared_gate_up, h)))
+            logit = b.linear(layer.shared_gate, h).float()
+            # sigmoid as a two-way softmax, row by row: CPU elementwise kernels take a scalar path for a tensor's
+            # last few elements, so torch.sigmoid's bits for a token would depend on how many tokens the step has
+            gate = torch.softmax(torch.cat([logit, torch.zeros_like(logit)], dim=-1), dim=-1)[:, :1]
+            out += gate.to(shared.dtype) * shared
+        return out
+
     def add_lora(self, lora: dict[str, Any], matrix: str, y: torch.Tensor, x: torch.Tensor,
                  batch: ForwardBatch) -> None:
         """y (= matrix's output for x) += its adapters' deltas, each token its own slot's, when some loaded
@@ -278,3 +353,12 @@ class DecoderBlock:
         stack = lora.get(matrix)
         if stack is not None:
             self.backend.add_lora(y, x, stack, batch.lora_slots, batch.lora_scales)
+
+
+def _sum_columns(x: torch.Tensor) -> torch.Tensor:
+    """x[:, 0] + x[:, 1] + ... in that order: a token's sum of its k terms is the same bits whatever the batch (a
+    reduction kernel's order may follow the tensor's shape)."""
+    out = x[:, 0].clone()
+    for i in range(1, x.shape[1]):
+        out += x[:, i]
+    return out

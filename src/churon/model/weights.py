@@ -36,3 +36,12 @@ def quantized(w: RawWeight, qtype: GGMLQuantizationType, name: str) -> RawWeight
         return w
     t = dense(w)
     return GGUFTensor(name, tuple(t.shape), qtype, quantize(t, qtype).reshape(-1))
+
+
+def experts(w: RawWeight) -> list[RawWeight]:
+    """A stacked expert tensor [experts, rows, cols] as one matrix per expert, GGUF bytes kept (each expert's
+    blocks are a contiguous slice: views, not copies)."""
+    if isinstance(w, torch.Tensor):
+        return list(w.unbind(0))
+    per_expert = w.data.reshape(w.shape[0], -1)
+    return [GGUFTensor(f"{w.name}[{e}]", tuple(w.shape[1:]), w.qtype, per_expert[e]) for e in range(w.shape[0])]
