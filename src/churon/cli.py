@@ -575,6 +575,18 @@ def _family_fields(c) -> list[tuple[str, object]]:
     caps = [f"{what} {cap:g}" for what, cap in (("attention", c.attn_logit_softcap), ("logits", c.final_logit_softcap)) if cap]
     if caps:
         fields.append(("soft-caps", ", ".join(caps)))
+    if c.num_experts:
+        from churon.model.transformer import expected_weight_shapes
+
+        moe_layers = sum(c.moe_layer(i) for i in range(c.num_layers))
+        shared = f", a shared expert of FFN {c.shared_expert_intermediate_size}" if c.shared_expert_intermediate_size else ""
+        dense = f", {c.num_layers - moe_layers} dense layers" if moe_layers < c.num_layers else ""
+        fields.append(("experts", f"{c.num_experts} of FFN {c.moe_intermediate_size}, {c.num_experts_per_tok} active per"
+                                  f" token{' (top-k renormalized)' if c.norm_topk_prob else ''}{shared}{dense}"))
+        total = sum(math.prod(shape) for shape in expected_weight_shapes(c).values())
+        # a token's matmuls skip the experts it is not routed to: gate, up and down of each
+        idle = moe_layers * (c.num_experts - c.num_experts_per_tok) * 3 * c.hidden_size * c.moe_intermediate_size
+        fields.append(("active parameters", f"{total - idle:,} ({(total - idle) / 1e6:.1f} M) of {total:,} per token"))
     return fields
 
 
