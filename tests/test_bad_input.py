@@ -578,7 +578,11 @@ def test_unsupported_phi3_rope_names_the_field(tiny_phi3_longrope, tmp_path, con
     ids=["long-of-7", "short-nan", "short-missing", "longrope-without-factors", "no-original-context"],
 )
 def test_lying_longrope_gguf_is_a_model_file_error(tiny_phi3_longrope, tmp_path, edit, match):
-    _, path = tiny_phi3_longrope
+    assert_edited_gguf_is_a_model_file_error(tiny_phi3_longrope[1], tmp_path, edit, match)
+
+
+def assert_edited_gguf_is_a_model_file_error(path, tmp_path, edit, match):
+    """path rewritten with edit (rewrite_gguf's arguments) fails to load with a ModelFileError naming the file."""
     bad = rewrite_gguf(path, tmp_path / "bad.gguf", **edit)
     with pytest.raises(ModelFileError, match=re.escape(str(bad)) + ": " + match):
         load_model(bad)
@@ -618,10 +622,7 @@ def tiny_qwen3_moe(tmp_path_factory):
     ids=["count-4-of-8", "used-9-of-8", "used-0", "count-missing", "used-missing"],
 )
 def test_lying_expert_counts_in_a_gguf_name_the_key(tiny_qwen3_moe, tmp_path, edit, match):
-    _, path = tiny_qwen3_moe
-    bad = rewrite_gguf(path, tmp_path / "bad.gguf", **edit)
-    with pytest.raises(ModelFileError, match=re.escape(str(bad)) + ": " + match):
-        load_model(bad)
+    assert_edited_gguf_is_a_model_file_error(tiny_qwen3_moe[1], tmp_path, edit, match)
 
 
 @pytest.mark.parametrize(
