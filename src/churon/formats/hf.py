@@ -65,6 +65,11 @@ _SWA_PERIODS = {"mistral": 1, "mixtral": 1, "gemma2": 2, "gemma3": 6}
 _LAYER_TYPES = {"sliding_attention": True, "full_attention": False}
 
 
+def architecture_of(model_type: str) -> str:
+    """The architecture (ModelConfig.architecture, GGUF's general.architecture) of a transformers model_type."""
+    return _ARCHITECTURE_OF.get(model_type, model_type)
+
+
 def _canonical_name(hf_name: str) -> str:
     return hf_name.removeprefix("model.").replace(".block_sparse_moe.gate.", ".mlp.gate.")  # Mixtral's router
 
@@ -138,7 +143,7 @@ class HFModel:
         arch = cfg.get("model_type")
         if arch is None:
             raise ModelFileError(f"{source}: field 'model_type' is missing")
-        arch = _ARCHITECTURE_OF.get(arch, arch) if isinstance(arch, str) else arch
+        arch = architecture_of(arch) if isinstance(arch, str) else arch
         flags = dict(check_architecture(arch, source))
         r = ConfigReader(cfg, source)
         if "attention_bias" in cfg:

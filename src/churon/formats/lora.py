@@ -42,7 +42,7 @@ from churon.config import ConfigReader, ModelConfig
 from churon.errors import ModelFileError
 from churon.formats.gguf import GGUFFile, canonical_name, file_name, from_llama_cpp_layout
 from churon.formats.gguf_writer import FILE_TYPES, to_llama_cpp_layout
-from churon.formats.hf import FLOAT_DTYPES
+from churon.formats.hf import FLOAT_DTYPES, architecture_of
 from churon.formats.model_dir import read_json_object
 from churon.formats.quants import dequantize
 
@@ -64,7 +64,11 @@ TARGET_MODULES = {
 # the modules whose rows llama.cpp's converter interleaves for its RoPE on a llama (LlamaModel.permute)
 _ROPE_ROWS = ("q_proj", "k_proj")
 _MODULE = re.compile(r"layers\.(\d+)\.(self_attn|mlp)\.([a-z_]+)")
+# an MoE layer's router, routed experts (one per module or stacked) and shared expert, Hugging Face's names and the
+# canonical names of GGUF's ffn_*_exps / ffn_gate_inp / *_shexp
+_MOE_MODULE = re.compile(r"layers\.\d+\.(mlp|block_sparse_moe)\.(experts|shared_expert|shared_expert_gate|gate)(\..*)?")
 _SUPPORTED = ", ".join(TARGET_MODULES)
+_MOE_SUPPORTED = "on an MoE model: the attention's q_proj, k_proj, v_proj and o_proj, and the MLP of its dense layers"
 
 # the types a GGUF adapter's tensors are read from (what convert_lora_to_gguf.py writes)
 GGUF_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16,
@@ -246,6 +250,10 @@ def _check_module(path: Path, module: str, a_shape: tuple[int, ...], b_shape: tu
     if layer >= config.num_layers:
         raise ModelFileError(
             f"{path}: tensor {a_name!r} is for layer {layer}, but the model has {config.num_layers} layers")
+    if module.startswith(f"layers.{layer}.mlp.") and config.moe_layer(layer):  # its MLP matrices are the experts'
+        raise ModelFileError(
+            f"{path}: tensor {a_name!r} adapts {module}, but layer {layer}'s MLP is {config.num_experts} routed"
+            f" experts, which churon does not apply LoRA to ({_MOE_SUPPORTED})")
     (n_in, what_in), (n_out, what_out) = _matrix_shape(config, _kind(module))
     if a_shape[1] != n_in:
         raise ModelFileError(
@@ -260,6 +268,10 @@ def _check_module(path: Path, module: str, a_shape: tuple[int, ...], b_shape: tu
 def _target(path: Path, module: str, tensor: str, adapted: str) -> str:
     """The canonical module name (layers.N.self_attn.q_proj) of a module path without its model prefix;
     adapted: what the file names it (for the message)."""
+    if _MOE_MODULE.fullmatch(module):
+        raise ModelFileError(
+            f"{path}: tensor {tensor!r} adapts {adapted!r}, a mixture-of-experts layer's router or experts, which churon"
+            f" does not apply LoRA to ({_MOE_SUPPORTED})")
     m = _MODULE.fullmatch(module)
     if m is None or m.group(3) not in TARGET_MODULES or TARGET_MODULES[m.group(3)] != f"{m.group(2)}.{m.group(3)}":
         raise ModelFileError(
@@ -349,7 +361,8 @@ def _peft_settings(cfg: dict[str, Any], source: str) -> _PeftSettings:
     mapping = cfg.get("auto_mapping")
     if isinstance(mapping, dict) and isinstance(mapping.get("parent_library"), str):
         m = _PARENT_LIBRARY.fullmatch(mapping["parent_library"])
-        settings.architecture = m.group(1) if m else None
+        # the model's architecture as churon names it (qwen3_moe is qwen3moe), to compare with the model's
+        settings.architecture = architecture_of(m.group(1)) if m else None
     return settings
 
 
