@@ -1,8 +1,10 @@
 """Mixture-of-experts specifics beyond the decoder families' shared tests (test_model_reference.py and
 test_native_model.py run the four MoE families too): Qwen's dense layers among the MoE ones, what `churon
-inspect` says of the experts, and LoRA adapters on MoE models (the attention's modules applied, the experts'
+inspect` says of the experts, LoRA adapters on MoE models (the attention's modules applied, the experts'
+refused by name), and `churon quantize` on them (rtn, loaded by churon and llama.cpp; the calibrating methods
 refused by name)."""
 
+import gguf
 import numpy as np
 import pytest
 import torch
@@ -13,7 +15,9 @@ from churon.engine.kv_cache import SequenceKVCache
 from churon.errors import ModelFileError
 from churon.formats.hf import HFModel
 from churon.formats.lora import read_lora
+from churon.loader import load_model
 from test_lora_formats import _gguf_adapter, copy_adapter
+from llama_cpp_peer import llama_cpp_logits
 from test_lora_model import ATTENTION, compare_with_reference, with_adapters
 from test_model_reference import compare_prefill_and_decode
 from tiny_models import (
@@ -27,6 +31,7 @@ from tiny_models import (
     make_peft_adapter,
     peft_model,
     reference_model,
+    write_gguf,
 )
 
 
@@ -51,7 +56,6 @@ def test_qwen_dense_layers_among_the_moe_ones(dense, tmp_path):
     hf = qwen_moe_with_dense_layers(tmp_path / "hf", **dense)
     compare_prefill_and_decode(hf, reference_model(hf))
     if kernels.native_available():
-        from churon.loader import load_model
 
         native, _, _ = load_model(hf, kernels="native")
         reference, _, _ = load_model(hf, kernels="reference")
@@ -157,3 +161,45 @@ def test_a_dense_layer_s_mlp_adapter_on_an_moe_model_is_applied(tmp_path):
         base = model(tokens, 0, SequenceKVCache.for_model(model, 8), all_logits=True)
         adapted = model(tokens, 0, SequenceKVCache.for_model(model, 8), all_logits=True, lora_slot=0)
         assert not torch.equal(base, adapted)  # the delta reaches the logits
+
+
+# --- churon quantize on MoE models
+
+
+@pytest.fixture(scope="module")
+def moe_gguf(tmp_path_factory):
+    """The tiny Qwen3-MoE as an F32 GGUF (churon requantizes an MoE GGUF; it writes no MoE directory as one)."""
+    tmp = tmp_path_factory.mktemp("moe-gguf")
+    return write_gguf(make_hf_model("qwen3_moe", tmp / "hf"), tmp / "f32.gguf", "F32")
+
+
+@pytest.mark.parametrize("args", [["--method", "imatrix"], ["--method", "awq"], ["--method", "gptq"],
+                                  ["--target-bpw", "6"]], ids=["imatrix", "awq", "gptq", "target-bpw"])
+def test_calibrating_an_moe_model_is_refused_naming_the_method_and_experts(moe_gguf, tmp_path, capsys, args):
+    out = tmp_path / "out.gguf"
+    assert main(["quantize", str(moe_gguf), str(out), "--type", "Q4_0", "-q", *args]) == 1
+    needs = f"method '{args[1]}'" if args[0] == "--method" else "--target-bpw"
+    assert (f"{needs} calibrates on the inputs of every linear layer, which churon does not gather for a"
+            " mixture-of-experts model's routed experts (8 per MoE layer, 2 active per token); quantize it with"
+            " method 'rtn' and no --target-bpw") in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_rtn_requantizes_an_moe_gguf_that_churon_and_llama_cpp_load(moe_gguf, tmp_path):
+    """The stacked experts [experts, rows, cols] rounded as rows of blocks: churon's logits on the Q4_0 file stay as near
+    the F32 source's as 4-bit rounding lets them, and llama.cpp's on the same file far nearer churon's than the rounding moved them (its 8-bit
+    activations, see test_quantize_cli.py)."""
+    out = tmp_path / "q4_0.gguf"
+    assert main(["quantize", str(moe_gguf), str(out), "--type", "Q4_0", "-q"]) == 0
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(out).tensors}
+    assert {types[f"blk.{i}.ffn_{m}_exps.weight"] for i in range(2) for m in ("gate", "up", "down")} == {"Q4_0"}
+    tokens = [5, 17, 42, 99, 3, 250, 7, 64, 128, 11, 300, 8]
+    source, _, _ = load_model(moe_gguf, kernels="reference")
+    quantized, _, _ = load_model(out, kernels="reference")
+    want = source(torch.tensor(tokens), 0, SequenceKVCache.for_model(source, 16), all_logits=True)
+    ours = quantized(torch.tensor(tokens), 0, SequenceKVCache.for_model(quantized, 16), all_logits=True)
+    theirs = llama_cpp_logits(out, tokens)
+    moved = float((ours - want).norm())
+    # 4-bit rounding moves this random model's logits by ~40% of their norm; experts swapped or misread by ~140%
+    assert moved < 0.6 * float(want.norm())
+    assert float((theirs - ours).norm()) < 0.15 * moved

@@ -150,11 +150,17 @@ def quantize_model(
     source.check_types()
     c = source.config
     encoder = isinstance(c, EncoderConfig)
-    if encoder and (quantizer.needs_calibration or target_bpw is not None):  # calibration runs a decoder
-        needs = f"method {method!r}" if quantizer.needs_calibration else "--target-bpw"
+    calibrates = quantizer.needs_calibration or target_bpw is not None
+    needs = f"method {method!r}" if quantizer.needs_calibration else "--target-bpw"
+    if encoder and calibrates:  # calibration runs a decoder
         raise UnsupportedModelError(
             f"{source.path}: {needs} calibrates on a decoder's forward pass; an encoder ({c.architecture}) is"
             " written with rtn only: F32, F16, Q8_0 or another type with method 'rtn' and no --target-bpw")
+    if not encoder and c.num_experts and calibrates:
+        raise UnsupportedModelError(
+            f"{source.path}: {needs} calibrates on the inputs of every linear layer, which churon does not gather for"
+            f" a mixture-of-experts model's routed experts ({c.num_experts} per MoE layer, {c.num_experts_per_tok}"
+            " active per token); quantize it with method 'rtn' and no --target-bpw")
     adapter = lora_for(source, lora) if lora is not None else None
     tensors = SourceTensors(source, adapter, lora_scale)
 
@@ -164,7 +170,7 @@ def quantize_model(
     if target_bpw is not None:
         check_budget(types, tensors.shapes, target_bpw)
     windows: list[list[int]] = []
-    if quantizer.needs_calibration or target_bpw is not None:
+    if calibrates:
         text = calib_text if calib_text is not None else default_calibration_text()
         windows = calibration_windows(source, text)
     all_stats: dict[str, ActivationStats] = {}
@@ -217,8 +223,8 @@ def _quantize_group(
         w, t = layer.pop(name), types[name]
         if t in FLOAT_TYPES or w.dim() < 2:  # nothing to round: no method involved
             yield name, quantize(w.reshape(-1, w.shape[-1]), t)
-        else:
-            yield name, quantizer.quantize(name, w, t.name, stats.get(name))
+        else:  # an MoE layer's stacked experts [experts, rows, cols] as rows: blocks run along a row either way
+            yield name, quantizer.quantize(name, w.reshape(-1, w.shape[-1]), t.name, stats.get(name))
 
 
 @contextmanager
