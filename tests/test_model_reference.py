@@ -148,6 +148,14 @@ def test_transformers_4_style_config(arch, tmp_path):
     compare_prefill_and_decode(hf, reference_model(hf))
 
 
+@pytest.mark.parametrize("source", ["hf", "gguf"])
+def test_gemma3_final_logit_softcap(source, tmp_path):
+    """A Gemma 3 with Gemma 2's final soft-cap (a field every released Gemma 3 leaves null), from both files."""
+    hf = make_hf_model("gemma3", tmp_path / "hf", final_logit_softcapping=4.0)
+    path = hf if source == "hf" else write_gguf(hf, tmp_path / "m.gguf", "F32")
+    compare_prefill_and_decode(path, reference_model(hf, None if source == "hf" else path))
+
+
 def test_gemma_query_scale_of_its_own(tmp_path):
     """query_pre_attn_scalar apart from head_dim (as Gemma 2 27B has), from a directory (a GGUF cannot say it)."""
     hf = make_hf_model("gemma3", tmp_path / "hf", query_pre_attn_scalar=24)

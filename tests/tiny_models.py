@@ -298,6 +298,7 @@ def make_hf_model(
     chat_template: str = CHAT_TEMPLATE,
     max_positions: int = MAX_POSITIONS,
     query_pre_attn_scalar: int | None = None,
+    final_logit_softcapping: float | None = None,
     head_dim: int | None = None,
 ) -> Path:
     """Build a tiny random fp32 model of `arch` and save it (safetensors + config + tokenizer files).
@@ -310,7 +311,8 @@ def make_hf_model(
     scaled), torch_dtype instead of dtype, no layer_types, and for qwen a sliding_window number with
     use_sliding_window false, as Qwen2.5 has. Transformers 5 loads both to the same model.
     chat_template: the tokenizer's (see make_tokenizer_files); max_positions: the context (tool-calling
-    prompts, with their tools' schemas, need more than the default); query_pre_attn_scalar: Gemma's, when it is
+    prompts, with their tools' schemas, need more than the default); final_logit_softcapping: a Gemma 3's;
+    query_pre_attn_scalar: Gemma's, when it is
     not head_dim; head_dim: a llama's (Llama 3.2 has 64), apart from hidden / heads. rope_scaling: a llama's
     (LLAMA3_ROPE_SCALING) or a phi3's (PHI3_LONGROPE and an original_max_position_embeddings). Returns out_dir."""
     if arch not in DECODER_ARCHS:
@@ -325,6 +327,8 @@ def make_hf_model(
     model = _build_model(arch, out_dir, tie_word_embeddings, seed, rope_scaling, extra_vocab, max_positions, head_dim)
     if query_pre_attn_scalar is not None:
         model.config.query_pre_attn_scalar = query_pre_attn_scalar
+    if final_logit_softcapping is not None:  # Gemma 3 has a field for it, null in every released model
+        model.config.final_logit_softcapping = final_logit_softcapping
     kwargs = {"max_shard_size": max_shard_size} if shard else {}
     model.save_pretrained(out_dir, safe_serialization=True, **kwargs)
     # save_pretrained may write its own generation_config.json; keep ours.
@@ -704,6 +708,8 @@ def _set_gguf_parameters(writer: gguf.GGUFWriter, hparams: dict, arch: str, n_bl
         writer.add_sliding_window(hparams["sliding_window"])
     if arch == "gemma3":  # Gemma3Model: the global layers' base (the windowed layers' is llama.cpp's constant)
         writer.add_rope_freq_base(hparams["_rope"]["full_attention"]["rope_theta"])
+        if hparams.get("final_logit_softcapping"):
+            writer.add_final_logit_softcapping(hparams["final_logit_softcapping"])
     if arch in LLAMA_LAYOUT:
         writer.add_vocab_size(hparams["vocab_size"])
         rope_dim = hparams.get("head_dim") or hparams["hidden_size"] // hparams["num_attention_heads"]

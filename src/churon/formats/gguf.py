@@ -575,6 +575,8 @@ class GGUFModel:
             fields["final_logit_softcap"] = r.number(f"{arch}.final_logit_softcapping", 30.0)
         else:
             fields["rope_local_theta"] = r.number(f"{arch}.rope.freq_base_swa", GEMMA3_LOCAL_ROPE_THETA)
+            if self.file.get(f"{arch}.final_logit_softcapping") is not None:  # Gemma3Model writes one a config has
+                fields["final_logit_softcap"] = r.number(f"{arch}.final_logit_softcapping")
         return fields
 
     @property
