@@ -20,7 +20,7 @@ from churon.formats import quants
 from churon.formats.quants import SUPPORTED_TYPES, dequantize
 
 FLOAT_TYPES = [T.F32, T.F16, T.BF16]
-BLOCK_TYPES = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K]
+BLOCK_TYPES = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.MXFP4, T.Q4_K, T.Q5_K, T.Q6_K]
 K_QUANTS = {T.Q4_K, T.Q5_K, T.Q6_K}
 
 # byte offsets of the fp16 scale fields in each block (ggml-common.h)
@@ -30,6 +30,7 @@ FP16_FIELDS = {
     T.Q4_1: [0, 2],
     T.Q5_0: [0],
     T.Q5_1: [0, 2],
+    T.MXFP4: [],  # its scale is one E8M0 byte (E8M0_FIELDS)
     T.Q4_K: [0, 2],
     T.Q5_K: [0, 2],
     T.Q6_K: [208],
@@ -58,8 +59,13 @@ def quantized_bytes(qtype: T, shape: tuple[int, ...]) -> np.ndarray | None:
     return np.ascontiguousarray(q).reshape(-1).view(np.uint8)
 
 
+# byte offsets of the E8M0 scales (a power of two, 2^(e - 127)): random below 2^120, the subnormal e = 0 and 1 included
+# (above, a code of 12 overflows float32, as it does in ggml)
+E8M0_FIELDS = {T.MXFP4: [0]}
+
+
 def random_block_bytes(qtype: T, shape: tuple[int, ...]) -> np.ndarray:
-    """Random blocks: every code bit random, fp16 scale fields finite and of either sign."""
+    """Random blocks: every code bit random, fp16 scale fields finite and of either sign, E8M0 scales finite."""
     block_size, type_size = GGML_QUANT_SIZES[qtype]
     n_blocks = int(np.prod(shape)) // block_size
     rng = rng_for("random", qtype.name, shape)
@@ -67,6 +73,9 @@ def random_block_bytes(qtype: T, shape: tuple[int, ...]) -> np.ndarray:
     for offset in FP16_FIELDS[qtype]:
         scale = rng.uniform(-0.1, 0.1, size=n_blocks).astype(np.float16)
         blocks[:, offset : offset + 2] = scale.view(np.uint8).reshape(n_blocks, 2)
+    for offset in E8M0_FIELDS.get(qtype, ()):
+        blocks[:, offset] = rng.integers(0, 248, size=n_blocks, dtype=np.uint8)
+        blocks[: min(2, n_blocks), offset] = np.arange(min(2, n_blocks))  # the subnormal scales, always
     return blocks.reshape(-1)
 
 

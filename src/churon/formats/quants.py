@@ -95,6 +95,20 @@ def _q5_0(blocks: torch.Tensor, out: torch.Tensor) -> None:
     out.copy_(q.view(torch.int8)).mul_(d)
 
 
+# E2M1 (the OCP microscaling FP4) values by 4-bit code, doubled as ggml stores them (its scale halves them back)
+_E2M1_DOUBLED = torch.tensor([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=torch.float32)
+
+
+def _mxfp4(blocks: torch.Tensor, out: torch.Tensor) -> None:
+    # block_mxfp4, 17 bytes (gpt-oss's experts): e (E8M0: a power of two, 2^(e - 127)) | qs[16] (4-bit E2M1 codes,
+    # packed as in q4_0).  x = E2M1_DOUBLED[q] * 2^(e - 128), the float built from its bits as ggml's
+    # GGML_E8M0_TO_FP32_HALF does (e < 2: the subnormals 2^-128 and 2^-127)
+    e = blocks[:, :1].to(torch.int32)
+    bits = torch.where(e < 2, torch.full_like(e, 0x00200000).bitwise_left_shift(e), (e - 1).bitwise_left_shift(23))
+    q = _nibbles(blocks[:, 1:].unsqueeze(1)).view(-1, 32)
+    out.copy_(_E2M1_DOUBLED[q.long()]).mul_(bits.view(torch.float32))
+
+
 def _q5_1(blocks: torch.Tensor, out: torch.Tensor) -> None:
     # block_q5_1, 24 bytes: d (fp16) | m (fp16) | qh[4] (5th bits, as in q5_0) |
     # qs[16] (low 4 bits).  x = q * d + m
@@ -167,6 +181,7 @@ _BLOCK_DEQUANTIZERS: dict[GGMLQuantizationType, Callable[[torch.Tensor, torch.Te
     GGMLQuantizationType.Q4_1: _q4_1,
     GGMLQuantizationType.Q5_0: _q5_0,
     GGMLQuantizationType.Q5_1: _q5_1,
+    GGMLQuantizationType.MXFP4: _mxfp4,
     GGMLQuantizationType.Q4_K: _q4_k,
     GGMLQuantizationType.Q5_K: _q5_k,
     GGMLQuantizationType.Q6_K: _q6_k,
