@@ -302,6 +302,11 @@ def check_config(c: ModelConfig, keys: Mapping[str, str], source: str) -> None:
         )
 
 
+# Where a file names no layer pattern: every period-th layer sees the whole history, the others are windowed
+# (llama.cpp's swa patterns and transformers 4's sliding_window_pattern defaults; period 1: a window on every layer)
+SWA_PERIODS = {"mistral": 1, "mixtral": 1, "gemma2": 2, "gemma3": 6}
+
+
 def windows_of_pattern(num_layers: int, window: int, period: int) -> tuple[int, ...]:
     """Per layer, its window where period - 1 windowed layers alternate with one global layer (llama.cpp's
     swa pattern: Gemma 2 has period 2, Gemma 3 period 6; period 1 is a window on every layer)."""

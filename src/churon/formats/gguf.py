@@ -25,6 +25,7 @@ from churon.config import (
     MAX_LAYERS,
     GEMMA_ARCHITECTURES,
     SUPPORTED_ARCHITECTURES,
+    SWA_PERIODS,
     ConfigReader,
     EncoderConfig,
     ModelConfig,
@@ -302,9 +303,6 @@ _NORM_TOPK = {"llama": True, "qwen3moe": True, "qwen2moe": False, "olmoe": False
 # the stacked expert tensors a layer's expert_count must match (first dimension: the experts)
 _EXPERT_TENSORS = ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 
-# llama.cpp's windowed-layer patterns where the file has no {arch}.attention.sliding_window_pattern: every
-# period-th layer sees the whole history (llama_model::load_hparams)
-_SWA_PERIODS = {"gemma2": 2, "gemma3": 6}
 # Gemma 3's windowed layers turn at base 10000 without scaling, a constant in llama.cpp (rope_freq_base_train_swa)
 GEMMA3_LOCAL_ROPE_THETA = 10000.0
 # The 27B Gemmas scale queries by (hidden / heads) ** -0.5 rather than head_dim ** -0.5 (query_pre_attn_scalar
@@ -560,7 +558,7 @@ class GGUFModel:
         window = r.integer(keys["sliding_window"], hi=MAX_CONTEXT_LENGTH)
         pattern = self.file.get(keys["layer_windows"])
         if pattern is None:
-            windows = windows_of_pattern(num_layers, window, _SWA_PERIODS[arch])
+            windows = windows_of_pattern(num_layers, window, SWA_PERIODS[arch])
         elif isinstance(pattern, list):  # newer converters: one bool per layer, true where it is windowed
             if not all(isinstance(p, bool) for p in pattern):
                 raise ModelFileError(f"{self.path}: {keys['layer_windows']} is neither an integer nor booleans")

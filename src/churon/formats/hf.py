@@ -15,6 +15,7 @@ from churon.config import (
     MAX_CONTEXT_LENGTH,
     MAX_LAYERS,
     GEMMA_ARCHITECTURES,
+    SWA_PERIODS,
     ConfigReader,
     EncoderConfig,
     ModelConfig,
@@ -60,8 +61,6 @@ _ARCHITECTURE_OF = {"gemma3_text": "gemma3", "qwen2_moe": "qwen2moe", "qwen3_moe
 _EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
 _EXPERT_MATRICES = {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj", "w1": "gate_proj",
                     "w3": "up_proj", "w2": "down_proj"}
-# Without layer_types (transformers 4 configs): every period-th layer sees the whole history
-_SWA_PERIODS = {"mistral": 1, "mixtral": 1, "gemma2": 2, "gemma3": 6}
 _LAYER_TYPES = {"sliding_attention": True, "full_attention": False}
 
 
@@ -311,9 +310,9 @@ def _layer_windows(cfg: dict[str, Any], r: ConfigReader, arch: str, num_layers: 
     if arch in ("qwen2", "qwen3"):  # use_sliding_window: the layers from max_window_layers on
         first = r.integer("max_window_layers", default=num_layers, lo=0)
         return tuple(window if i >= first else 0 for i in range(num_layers))
-    if arch not in _SWA_PERIODS:
+    if arch not in SWA_PERIODS:  # without layer_types (transformers 4 configs), the architecture's pattern
         return ()
-    period = r.integer("sliding_window_pattern", default=_SWA_PERIODS[arch], hi=num_layers)
+    period = r.integer("sliding_window_pattern", default=SWA_PERIODS[arch], hi=num_layers)
     return windows_of_pattern(num_layers, window, period)
 
 
