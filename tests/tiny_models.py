@@ -488,6 +488,11 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
 # GGUF conversion
 # --------------------------------------------------------------------------------------------------
 
+def _arch(model_type: str) -> str:
+    """This module's name for a transformers model_type (Gemma 3's text-only checkpoints are gemma3_text)."""
+    return {"gemma3_text": "gemma3"}.get(model_type, model_type)
+
+
 def _load_hparams(hf_dir: Path) -> dict:
     """Config as llama.cpp's converter sees it: AutoConfig(...).to_dict(), rope params mirrored."""
     import transformers
@@ -579,7 +584,7 @@ def write_gguf(hf_dir: Path, out_path: Path, qtype: str = "F32") -> Path:
         raise ValueError(f"unknown qtype {qtype!r}; expected one of {tuple(QTYPES)}")
     data_qtype, ftype = QTYPES[qtype]
     hparams = _load_hparams(hf_dir)
-    arch = {"gemma3_text": "gemma3"}.get(hparams["model_type"], hparams["model_type"])
+    arch = _arch(hparams["model_type"])
     if arch not in DECODER_ARCHS:
         raise ValueError(f"{hf_dir}/config.json: model_type {arch!r} is not one of {DECODER_ARCHS}")
     model_arch = GGUF_ARCH[arch]
@@ -867,7 +872,7 @@ def reference_model(hf_dir: Path, gguf_path: Path | None = None) -> torch.nn.Mod
     if gguf_path is None:
         return model
     reader = gguf.GGUFReader(Path(gguf_path))
-    arch = {"gemma3_text": "gemma3"}.get(model.config.model_type, model.config.model_type)
+    arch = _arch(model.config.model_type)
     params = dict(model.named_parameters(remove_duplicate=False))
     seen = set()
     with torch.no_grad():
