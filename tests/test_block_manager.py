@@ -271,7 +271,7 @@ def test_freeing_a_block_nobody_holds_is_an_error_that_changes_nothing():
     a = Sequence(range(6))
     assert bm.allocate(a, 6)
     stray = Sequence(range(8))
-    stray.block_table = [a.block_table[0], 3]  # a's block, and one nobody allocated
+    stray.block_tables = [[a.block_table[0], 3]]  # a's block, and one nobody allocated
     before = _snapshot(bm, [a])
     with pytest.raises(RuntimeError, match="block 3 freed more often than allocated"):
         bm.free(stray)

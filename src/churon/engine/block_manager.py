@@ -19,6 +19,15 @@ int64), so they are the same in every process and run. A hit also compares the b
 stored token ids with the sequence's, so only a 64-bit collision between two different
 prefixes ending in the same block of tokens could share wrong K/V (odds about 2**-64).
 
+Windowed layers (model/kv_layout.py). A model whose windowed and global layers keep their K/V apart has KV
+groups, each with a window (0: keeps everything), and a sequence has one block table per group, all drawing from
+this one pool. In a windowed group, before a step computes tokens from position c on, the blocks wholly behind
+c - window + 1 (the earliest key any of its queries sees) are released: their table entries stay in place, unread,
+and count as released. Released blocks keep their hash, so the prefix cache still finds them until evicted. The
+cache names a block by its chained hash salted by its group (the same tokens in two groups are two blocks), and a
+prefix hit of h blocks needs every global group's blocks 0..h-1 but a windowed group's only from the block holding
+position h * block_size - window + 1 on.
+
 Block life cycle:
 
     free (no hash) --allocate--> in use (private) --commit, full--> in use (cached, hashed)
@@ -33,6 +42,7 @@ from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from churon.model.kv_layout import blocks_held
 from churon.engine.sequence import Sequence
 
 
@@ -44,38 +54,59 @@ def hash_block(parent_hash: int | None, token_ids: "list[int] | tuple[int, ...]"
     return int.from_bytes(h.digest(), "little")
 
 
+def group_salt(group: int) -> int:
+    """XORed into KV group `group`'s block hashes (0 for the first group: a one-group cache keeps the plain chain)."""
+    if not group:
+        return 0
+    return int.from_bytes(hashlib.blake2b(group.to_bytes(4, "little"), digest_size=8, person=b"churon-kvgroup").digest(),
+                          "little")
+
+
 @dataclass
 class Block:
     block_id: int
     ref_count: int = 0
-    hash: int | None = None  # set once the block is full and committed
+    hash: int | None = None  # set once the block is full and committed (salted by its group)
     token_ids: tuple[int, ...] = ()  # the block's tokens, kept with the hash to rule out collisions
+
+
+# a first allocation's share of the prefix cache: h leading blocks, and per group the block ids it takes (a windowed
+# group's the last ones of the h only)
+PrefixHit = tuple[int, list[list[int]]]
 
 
 class BlockManager:
     """Reference-counted KV blocks with prefix caching and LRU eviction.
 
-    Sequences in the WAITING state hold no blocks; a sequence's first allocation (empty
-    block table) first takes the longest chain of cached full blocks matching its tokens.
-    After each step the scheduler commits the tokens each sequence computed; free(seq) when
-    a sequence finishes, is aborted or preempted.
+    Sequences in the WAITING state hold no blocks; a sequence's first allocation (no block tables) first takes the
+    longest chain of cached full blocks matching its tokens. After each step the scheduler commits the tokens each
+    sequence computed; free(seq) when a sequence finishes, is aborted or preempted.
+
+    windows: one per KV group (model/kv_layout.py), the positions its layers see (0: all); the default is one
+    group that keeps everything.
     """
 
-    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True,
+                 windows: tuple[int, ...] = (0,)):
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if not windows or any(w < 0 for w in windows):
+            raise ValueError(f"windows must give each KV group a window >= 0 (0: none), got {windows}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.windows = tuple(windows)
+        self._salts = [group_salt(g) for g in range(len(self.windows))]
         self.blocks: list[Block] = [Block(i) for i in range(num_blocks)]
-        self.hash_to_block: dict[int, int] = {}  # full-block hash -> the block holding it
+        self.hash_to_block: dict[int, int] = {}  # full-block hash (salted by group) -> the block holding it
         # free blocks without a hash; popped from the end, so block 0 goes first
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
         # free blocks that keep a hash, least recently used first
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self._num_committed: dict[int, int] = {}  # seq_id -> leading blocks registered by commit
+        self._num_released: dict[int, list[int]] = {}  # seq_id -> per group, leading blocks given back (windows)
         # prefix-cache counters, counted once per first allocation
         self.num_query_tokens = 0  # tokens of the sequences looked up
         self.num_hit_tokens = 0  # of those, taken from the cache
@@ -105,7 +136,18 @@ class BlockManager:
         return self.num_hit_tokens / self.num_query_tokens if self.num_query_tokens else 0.0
 
     def num_blocks_for(self, num_tokens: int) -> int:
+        """Blocks one table needs to cover num_tokens tokens."""
         return -(-num_tokens // self.block_size)
+
+    def num_blocks_held(self, num_tokens: int, chunk: int = 1) -> int:
+        """The most blocks a sequence of num_tokens tokens holds at once in all groups, computing up to `chunk`
+        tokens a step (with windows, fewer than a table of num_tokens per group)."""
+        return blocks_held(self.windows, num_tokens, self.block_size, chunk)
+
+    def num_held_blocks(self, seq: Sequence) -> int:
+        """Blocks seq holds now, in all its tables (released ones not counted)."""
+        released = self._num_released.get(seq.seq_id, [0] * len(seq.block_tables))
+        return sum(len(t) - r for t, r in zip(seq.block_tables, released))
 
     # -- allocation --------------------------------------------------------------------
 
@@ -117,7 +159,7 @@ class BlockManager:
         the whole sequence is cached: only full blocks inside the first num_tokens - 1
         tokens count.
         """
-        return len(self._prefix_hits(seq)) * self.block_size
+        return self._prefix_hits(seq)[0] * self.block_size
 
     def num_shared_prefix_tokens(self, seq: Sequence, other: Sequence) -> int:
         """Leading tokens of seq, in full blocks it could take from the cache (the same rule as
@@ -134,43 +176,35 @@ class BlockManager:
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Whether allocate(seq, num_new_tokens) would succeed; changes nothing."""
-        hits = self._prefix_hits(seq)
-        return self._num_fresh_needed(seq, hits, num_new_tokens) <= self._num_free_after(hits)
+        hit = self._prefix_hits(seq)
+        return self._num_fresh_needed(seq, hit, num_new_tokens) <= self._num_free_after(seq, hit)
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
-        """Grow seq.block_table to cover its computed tokens plus num_new_tokens more.
+        """Grow seq's block tables to cover its computed tokens plus num_new_tokens more.
 
-        On a first allocation (empty block table) the cached prefix is taken first: those
+        On a first allocation (no block tables) the cached prefix is taken first: those
         blocks are shared (ref count + 1) and seq.num_computed_tokens / num_cached_tokens
         are set to the cached length; num_new_tokens counts tokens beyond it (use
-        num_cached_prefix_tokens to size it). Returns False and changes nothing when there
-        are not enough free blocks.
+        num_cached_prefix_tokens to size it). Later allocations first release the blocks behind the windows
+        of seq's windowed groups. Returns False and changes nothing when there are not enough free blocks.
         """
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
-        hits = self._prefix_hits(seq)
-        if self._num_fresh_needed(seq, hits, num_new_tokens) > self._num_free_after(hits):
+        hit = self._prefix_hits(seq)
+        if self._num_fresh_needed(seq, hit, num_new_tokens) > self._num_free_after(seq, hit):
             return False
-        if not seq.block_table:
+        if not seq.block_tables:
             if seq.num_computed_tokens:
                 raise ValueError(f"{seq!r} has computed tokens but no blocks")
-            for block_id in hits:
-                block = self.blocks[block_id]
-                if block.ref_count == 0:
-                    del self._evictable[block_id]
-                block.ref_count += 1
-                seq.block_table.append(block_id)
-            seq.num_computed_tokens = seq.num_cached_tokens = len(hits) * self.block_size
-            self._num_committed[seq.seq_id] = len(hits)
-            if self.enable_prefix_caching:
-                num_full = (seq.num_tokens - 1) // self.block_size
-                self.num_query_tokens += seq.num_tokens
-                self.num_hit_tokens += seq.num_cached_tokens
-                self.num_hit_blocks += len(hits)
-                self.num_miss_blocks += num_full - len(hits)
+            self._take_prefix(seq, hit)
+        else:
+            for g, i in self._behind_windows(seq):
+                self._release(seq.block_tables[g][i], seq)
+                self._released(seq)[g] = i + 1
         needed = self.num_blocks_for(seq.num_computed_tokens + num_new_tokens)
-        while len(seq.block_table) < needed:
-            seq.block_table.append(self._take_fresh_block())
+        for table in seq.block_tables:
+            while len(table) < needed:
+                table.append(self._take_fresh_block())
         return True
 
     def commit(self, seq: Sequence, num_new_tokens: int) -> None:
@@ -181,36 +215,44 @@ class BlockManager:
         cache when freed).
         """
         end = seq.num_computed_tokens + num_new_tokens
-        if num_new_tokens < 1 or end > min(seq.num_tokens, len(seq.block_table) * self.block_size):
+        num_blocks = len(seq.block_tables[0]) if seq.block_tables else 0
+        if num_new_tokens < 1 or end > min(seq.num_tokens, num_blocks * self.block_size):
             raise ValueError(f"{seq!r}: cannot commit {num_new_tokens} more tokens (beyond its tokens or its blocks)")
         seq.num_computed_tokens += num_new_tokens
         if not self.enable_prefix_caching:
             return
         start = self._num_committed.get(seq.seq_id, 0)
-        num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        num_full = min(seq.num_computed_tokens // self.block_size, num_blocks)
         if num_full <= start:
             return
         hashes = self._block_hashes(seq, num_full)
         bs = self.block_size
-        for i in range(start, num_full):
-            block = self.blocks[seq.block_table[i]]
-            if block.hash is None:
-                block.hash = hashes[i]
-                block.token_ids = tuple(seq.token_ids[i * bs : (i + 1) * bs])
-                self.hash_to_block.setdefault(block.hash, block.block_id)
+        released = self._released(seq)
+        for g, table in enumerate(seq.block_tables):
+            salt = self._salts[g]
+            for i in range(max(start, released[g]), num_full):
+                block = self.blocks[table[i]]
+                if block.hash is None:
+                    block.hash = hashes[i] ^ salt
+                    block.token_ids = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+                    self.hash_to_block.setdefault(block.hash, block.block_id)
         self._num_committed[seq.seq_id] = num_full
 
     def free(self, seq: Sequence) -> None:
-        """Drop seq's references to its blocks; its block table empties and nothing counts as computed.
+        """Drop seq's references to its blocks; its block tables empty and nothing counts as computed.
 
-        Blocks are released last block first, so a sequence's tail is evicted before its
-        prefix (a tail is useless without the blocks before it).
+        Blocks are released last block first (each position in every group before the position before it), so a
+        sequence's tail is evicted before its prefix (a tail is useless without the blocks before it).
         """
-        for block_id in reversed(seq.block_table):
-            self._release(block_id, seq)
-        seq.block_table = []
+        released = self._released(seq)
+        for i in reversed(range(len(seq.block_tables[0]) if seq.block_tables else 0)):
+            for table, first in zip(seq.block_tables, released):
+                if i >= first:
+                    self._release(table[i], seq)
+        seq.block_tables = []
         seq.num_computed_tokens = 0
         self._num_committed.pop(seq.seq_id, None)
+        self._num_released.pop(seq.seq_id, None)
 
     def truncate(self, seq: Sequence, num_tokens: int) -> None:
         """Forget seq's K/V from token num_tokens on (speculative decoding's rejected proposals): at most
@@ -220,8 +262,11 @@ class BlockManager:
         if num_tokens < self._num_committed.get(seq.seq_id, 0) * self.block_size:
             raise ValueError(f"{seq!r}: cannot truncate to {num_tokens} tokens, below its blocks in the prefix cache")
         keep = self.num_blocks_for(num_tokens)
-        while len(seq.block_table) > keep:
-            self._release(seq.block_table.pop(), seq)
+        if keep < max(self._released(seq), default=0):
+            raise ValueError(f"{seq!r}: cannot truncate to {num_tokens} tokens, below blocks its windows gave back")
+        for table in seq.block_tables:
+            while len(table) > keep:
+                self._release(table.pop(), seq)
         seq.num_computed_tokens = min(seq.num_computed_tokens, num_tokens)
 
     def _release(self, block_id: int, seq: Sequence) -> None:
@@ -258,33 +303,93 @@ class BlockManager:
             hashes.append(hash_block(hashes[i - 1] if i else seq.hash_seed, seq.token_ids[i * bs : (i + 1) * bs]))
         return hashes
 
-    def _prefix_hits(self, seq: Sequence) -> list[int]:
-        """Block ids of seq's cached prefix a first allocation would share ([] if it has blocks)."""
-        if seq.block_table or not self.enable_prefix_caching:
-            return []
+    def _released(self, seq: Sequence) -> list[int]:
+        """Per group, how many of seq's leading blocks its window gave back (kept by seq_id, made on first use)."""
+        return self._num_released.setdefault(seq.seq_id, [0] * len(seq.block_tables))
+
+    def _first_seen(self, group: int, position: int) -> int:
+        """The block holding the earliest key a query at `position` sees in `group` (0 without a window)."""
+        window = self.windows[group]
+        return max(0, position - window + 1) // self.block_size if window else 0
+
+    def _behind_windows(self, seq: Sequence) -> list[tuple[int, int]]:
+        """(group, index) of the blocks seq's next step no longer sees and still holds, in table order."""
+        released = self._released(seq)
+        return [(g, i) for g, w in enumerate(self.windows) if w
+                for i in range(released[g], min(self._first_seen(g, seq.num_computed_tokens), len(seq.block_tables[g])))]
+
+    def _prefix_hits(self, seq: Sequence) -> PrefixHit:
+        """The cached prefix a first allocation of seq would take ((0, []) if it has blocks): the most leading full
+        blocks h every global group has cached from block 0 and every windowed group from the first its window
+        sees at position h * block_size."""
+        if seq.block_tables or not self.enable_prefix_caching:
+            return 0, []
         if seq.params.prompt_logprobs is not None:  # every prompt position must run to get its logits
-            return []
+            return 0, []
         num_full = (seq.num_tokens - 1) // self.block_size  # leave >= 1 token to compute
-        hits: list[int] = []
-        bs = self.block_size
-        hashes = seq.block_hashes
-        for i in range(num_full):
-            if i == len(hashes):
-                self._block_hashes(seq, i + 1)
-            block_id = self.hash_to_block.get(hashes[i])
-            if block_id is None or self.blocks[block_id].token_ids != tuple(seq.token_ids[i * bs : (i + 1) * bs]):
+        bs, found = self.block_size, {}
+
+        def cached(g: int, i: int) -> int | None:  # the block holding seq's block i in group g's cache
+            if (g, i) not in found:
+                block_id = self.hash_to_block.get(self._block_hashes(seq, i + 1)[i] ^ self._salts[g])
+                if block_id is not None and self.blocks[block_id].token_ids != tuple(seq.token_ids[i * bs : (i + 1) * bs]):
+                    block_id = None
+                found[g, i] = block_id
+            return found[g, i]
+
+        groups = range(len(self.windows))
+        whole = [g for g in groups if not self.windows[g]]
+        h = 0 if whole else num_full
+        while whole and h < num_full and all(cached(g, h) is not None for g in whole):
+            h += 1
+        while h > 0:  # a windowed group missing block i < h allows at most i blocks
+            missing = max((next((i for i in range(h - 1, self._first_seen(g, h * bs) - 1, -1) if cached(g, i) is None), -1)
+                           for g in groups if self.windows[g]), default=-1)
+            if missing < 0:
                 break
-            hits.append(block_id)
-        return hits
+            h = missing
+        return h, [[cached(g, i) for i in range(self._first_seen(g, h * bs), h)] for g in groups]
 
-    def _num_fresh_needed(self, seq: Sequence, hits: list[int], num_new_tokens: int) -> int:
-        computed = len(hits) * self.block_size if hits else seq.num_computed_tokens
-        have = len(hits) if hits else len(seq.block_table)
-        return max(0, self.num_blocks_for(computed + num_new_tokens) - have)
+    def _take_prefix(self, seq: Sequence, hit: PrefixHit) -> None:
+        """seq's first block tables: the hit's blocks shared (ref count + 1), a windowed table's entries before its
+        hit blocks released already."""
+        h, taken = hit
+        taken = taken or [[] for _ in self.windows]
+        seq.block_tables = []
+        released = []
+        for ids in taken:
+            for block_id in ids:
+                block = self.blocks[block_id]
+                if block.ref_count == 0:
+                    del self._evictable[block_id]
+                block.ref_count += 1
+            released.append(h - len(ids))
+            seq.block_tables.append([0] * (h - len(ids)) + ids)  # released entries: never read
+        self._num_released[seq.seq_id] = released
+        seq.num_computed_tokens = seq.num_cached_tokens = h * self.block_size
+        self._num_committed[seq.seq_id] = h
+        if self.enable_prefix_caching:
+            num_full = (seq.num_tokens - 1) // self.block_size
+            self.num_query_tokens += seq.num_tokens
+            self.num_hit_tokens += seq.num_cached_tokens
+            self.num_hit_blocks += h
+            self.num_miss_blocks += num_full - h
 
-    def _num_free_after(self, hits: list[int]) -> int:
-        """Free blocks left for fresh allocation once the hit blocks are taken."""
-        return self.num_free_blocks - sum(1 for b in hits if self.blocks[b].ref_count == 0)
+    def _num_fresh_needed(self, seq: Sequence, hit: PrefixHit, num_new_tokens: int) -> int:
+        """Fresh blocks allocate(seq, num_new_tokens) takes, in all groups."""
+        if seq.block_tables:
+            end = self.num_blocks_for(seq.num_computed_tokens + num_new_tokens)
+            return sum(max(0, end - len(t)) for t in seq.block_tables)
+        h = hit[0]
+        return len(self.windows) * max(0, self.num_blocks_for(h * self.block_size + num_new_tokens) - h)
+
+    def _num_free_after(self, seq: Sequence, hit: PrefixHit) -> int:
+        """Free blocks left for fresh allocation once the hit blocks are taken and the blocks behind seq's windows
+        given back."""
+        free = self.num_free_blocks - sum(1 for ids in hit[1] for b in ids if self.blocks[b].ref_count == 0)
+        if seq.block_tables:
+            free += sum(1 for g, i in self._behind_windows(seq) if self.blocks[seq.block_tables[g][i]].ref_count == 1)
+        return free
 
     def _take_fresh_block(self) -> int:
         if self._free:

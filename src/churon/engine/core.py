@@ -79,8 +79,10 @@ class LLMEngine:
         self.memory_plan = plan_memory(
             self.model_config, model.weight_bytes(), self.config, self.context_length, kv_dtype
         )
-        self.cache = PagedKVCache(self.model_config, self.memory_plan.num_blocks, self.config.block_size, kv_dtype)
-        self.block_manager = BlockManager(self.memory_plan.num_blocks, self.config.block_size, self.config.enable_prefix_caching)
+        layout = self.memory_plan.layout
+        self.cache = PagedKVCache(self.model_config, self.memory_plan.num_blocks, self.config.block_size, kv_dtype, layout)
+        self.block_manager = BlockManager(self.memory_plan.num_blocks, self.config.block_size,
+                                          self.config.enable_prefix_caching, layout.windows)
         self.scheduler = Scheduler(
             self.block_manager, self.config.max_num_seqs, self.config.max_num_batched_tokens, self.config.enable_chunked_prefill,
             max_prompt_logits_rows=max(1, PROMPT_LOGITS_BYTES // (4 * self.model_config.vocab_size)),
@@ -168,7 +170,7 @@ class LLMEngine:
         request = Request(seq, self.tokenizer, self.model_config.vocab_size, grammar)
         total = len(prompt_ids) + max_new
         if not self.scheduler.can_ever_fit(total, len(prompt_ids)):
-            capacity = self.memory_plan.num_blocks * self.config.block_size
+            capacity = self.memory_plan.longest_sequence
             raise ContextLengthError(
                 f"the request needs up to {total} tokens of KV cache ({len(prompt_ids)} prompt + {max_new} new)"
                 f" but the whole cache holds {capacity} tokens; lower max_tokens or give the engine more kv_cache_memory"

@@ -3,7 +3,9 @@
 One preallocated tensor per K and V: [layers, num_blocks, block_size, kv_heads, head_dim].
 A token's slot is block_id * block_size + offset; a sequence finds its tokens through its
 block table (which blocks, in order). The block manager decides which blocks a sequence
-owns; this module only holds the memory.
+owns; this module only holds the memory. With KV groups (model/kv_layout.py: windowed and global
+layers apart) the first dimension is the group size, not the layers: layer i's K/V sit at index
+layout.layer_slots[i][1], through its group's block tables.
 
 An int8 cache also holds one float32 scale per (slot, kv head), k_scale and v_scale
 [layers, num_blocks, block_size, kv_heads]: a head's values are quantized when written,
@@ -16,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from churon.config import KV_DTYPE_CHOICES, ModelConfig
+from churon.model.kv_layout import KVLayout
 from churon.model.transformer import Transformer
 
 KV_DTYPES = {name: getattr(torch, name) for name in KV_DTYPE_CHOICES}
@@ -23,10 +26,10 @@ KV_DTYPE_NAMES = {dtype: name for name, dtype in KV_DTYPES.items()}
 SCALE_BYTES = 4  # one float32 scale per (token, kv head) in an int8 cache
 
 
-def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
-    """K and V of one token in every layer (int8: with their scales)."""
+def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype, layers: int | None = None) -> int:
+    """K and V of one token in every layer, or in `layers` of them (int8: with their scales)."""
     per_head = config.head_dim * dtype.itemsize + (SCALE_BYTES if dtype == torch.int8 else 0)
-    return 2 * config.num_layers * config.num_kv_heads * per_head
+    return 2 * (config.num_layers if layers is None else layers) * config.num_kv_heads * per_head
 
 
 def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -37,7 +40,9 @@ def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class PagedKVCache:
-    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int = 16, dtype: torch.dtype = torch.float32):
+    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int = 16, dtype: torch.dtype = torch.float32,
+                 layout: KVLayout | None = None):
+        """layout: how layers share block tables (default: all in one group, nothing freed)."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"a KV cache needs at least one block of at least one token, got {num_blocks} x {block_size}")
         if dtype not in KV_DTYPE_NAMES:
@@ -46,13 +51,14 @@ class PagedKVCache:
         self.block_size = block_size
         self.dtype = dtype
         self.dtype_name = KV_DTYPE_NAMES[dtype]
-        layers, slots = config.num_layers, num_blocks * block_size
+        self.layout = layout or KVLayout.whole(config.num_layers)
+        layers, slots = self.layout.group_size, num_blocks * block_size
         shape = (layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
         # empty, not zeros: a slot is always written before it is read (tests/test_reproducibility.py fills
         # this memory with NaN and gets the same bits), and untouched pages cost no memory
         self.k = torch.empty(shape, dtype=dtype)
         self.v = torch.empty(shape, dtype=dtype)
-        # the same memory indexed by slot: [layers, num_blocks * block_size, kv_heads, head_dim]
+        # the same memory indexed by slot: [layers (group size), num_blocks * block_size, kv_heads, head_dim]
         self.k_slots = self.k.view(layers, slots, config.num_kv_heads, config.head_dim)
         self.v_slots = self.v.view(layers, slots, config.num_kv_heads, config.head_dim)
         self.k_scale = self.v_scale = None

@@ -2,17 +2,23 @@
 
 When the plan does not fit it says what does ("fits 8k context for 6 sequences, or 32k
 for 1") instead of running out of memory halfway through a request.
+
+A model with windowed layers (model/kv_layout.py) is planned by its KV groups: a block id holds group_size
+layers' K/V, and a sequence of n tokens holds a block per block_size tokens in each global group but at most its
+window's worth in each windowed group, so long contexts cost what the global layers keep plus a bounded rest.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from churon.config import EngineConfig, ModelConfig
 from churon.engine.kv_cache import kv_bytes_per_token
+from churon.model.kv_layout import KVLayout, blocks_held
 from churon.errors import ChuronError
 
 FP32 = 4
@@ -26,18 +32,33 @@ class MemoryPlanError(ChuronError):
 class MemoryPlan:
     weight_bytes: int
     activation_bytes: int
-    kv_bytes_per_token: int
+    block_bytes: int  # one block id's K/V: block_size tokens of the layout's group_size layers
     block_size: int
     num_blocks: int
     available_bytes: int
+    layout: KVLayout
 
     @property
     def kv_bytes(self) -> int:
-        return self.num_blocks * self.block_size * self.kv_bytes_per_token
+        return self.num_blocks * self.block_bytes
 
     @property
     def kv_tokens(self) -> int:
+        """Token slots in the pool: with one KV group, the tokens it holds."""
         return self.num_blocks * self.block_size
+
+    def sequence_slots(self, context: int) -> int:
+        """The pool's token slots one sequence of `context` tokens holds (at most) over all groups."""
+        return blocks_held(self.layout.windows, context, self.block_size) * self.block_size
+
+    @property
+    def longest_sequence(self) -> int:
+        """The most tokens one sequence alone can hold (unbounded, 2**62, where every layer is windowed)."""
+        lo, hi = 0, 1 << 62
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if self.sequence_slots(mid) <= self.kv_tokens else (lo, mid - 1)
+        return lo
 
     @property
     def total_bytes(self) -> int:
@@ -47,7 +68,8 @@ class MemoryPlan:
         return (
             f"weights {_gib(self.weight_bytes)} + activations {_gib(self.activation_bytes)} + KV cache {_gib(self.kv_bytes)}"
             f" ({self.num_blocks} blocks of {self.block_size} tokens) = {_gib(self.total_bytes)}"
-            f" of {_gib(self.available_bytes)} available; the KV cache {what_fits(self.kv_tokens, context_length)}"
+            f" of {_gib(self.available_bytes)} available; the KV cache"
+            f" {what_fits(self.kv_tokens, context_length, self.sequence_slots)}"
         )
 
 
@@ -85,13 +107,15 @@ def activation_bytes(config: ModelConfig, engine: EngineConfig) -> int:
     return FP32 * (engine.max_num_batched_tokens * per_token + engine.max_num_seqs * c.vocab_size)
 
 
-def what_fits(tokens: int, context_length: int) -> str:
-    """'fits 8k context for 6 sequences, or 32k for 1' for a cache of `tokens` tokens."""
+def what_fits(tokens: int, context_length: int, cost: Callable[[int], int] = lambda ctx: ctx) -> str:
+    """'fits 8k context for 6 sequences, or 32k for 1' for a cache of `tokens` token slots, where a sequence of ctx
+    tokens takes cost(ctx) of them (ctx itself without windowed layers)."""
     options = []
     for ctx in sorted({2048, 8192, 32768, context_length}):
-        if ctx <= context_length and tokens >= ctx:
-            options.append(f"{ctx // 1024}k context for {tokens // ctx} sequence{'s' if tokens // ctx > 1 else ''}"
-                           if ctx % 1024 == 0 else f"{ctx} tokens of context for {tokens // ctx}")
+        n = tokens // cost(ctx)
+        if ctx <= context_length and n >= 1:
+            options.append(f"{ctx // 1024}k context for {n} sequence{'s' if n > 1 else ''}"
+                           if ctx % 1024 == 0 else f"{ctx} tokens of context for {n}")
     if not options:
         return f"fits {tokens} tokens in all (less than one 2k context)"
     return "fits " + ", or ".join(options)
@@ -106,10 +130,13 @@ def plan_memory(
     available: int | None = None,
 ) -> MemoryPlan:
     available = available_memory() if available is None else available
-    kv_per_token = kv_bytes_per_token(config, kv_dtype)
+    layout = KVLayout.of(config)
+    block = engine.block_size * kv_bytes_per_token(config, kv_dtype, layout.group_size)
     act = activation_bytes(config, engine)
     free_for_kv = available - weight_bytes - act
-    block = engine.block_size * kv_per_token
+
+    def cost(ctx: int) -> int:  # token slots of one sequence of ctx tokens
+        return blocks_held(layout.windows, ctx, engine.block_size) * engine.block_size
     if free_for_kv < block:
         raise MemoryPlanError(
             f"the model does not fit: weights {_gib(weight_bytes)} + activations {_gib(act)}"
@@ -120,17 +147,17 @@ def plan_memory(
             raise MemoryPlanError(
                 f"kv_cache_memory={engine.kv_cache_memory} bytes does not fit: weights {_gib(weight_bytes)} + activations"
                 f" {_gib(act)} leave {_gib(free_for_kv)} of {_gib(available)}; that much KV cache"
-                f" {what_fits(free_for_kv // kv_per_token, context_length)}"
+                f" {what_fits(free_for_kv // block * engine.block_size, context_length, cost)}"
             )
         budget = engine.kv_cache_memory
     else:
         budget = int(engine.kv_cache_fraction * free_for_kv)
     # no use holding more than max_num_seqs full contexts
-    wanted_blocks = -(-engine.max_num_seqs * context_length // engine.block_size)
+    wanted_blocks = engine.max_num_seqs * blocks_held(layout.windows, context_length, engine.block_size)
     num_blocks = min(budget // block, wanted_blocks)
     if num_blocks < 1:
         raise MemoryPlanError(f"kv_cache_memory={budget} bytes is less than one KV block ({block} bytes)")
-    return MemoryPlan(weight_bytes, act, kv_per_token, engine.block_size, num_blocks, available)
+    return MemoryPlan(weight_bytes, act, block, engine.block_size, num_blocks, available, layout)
 
 
 def plan_share(
@@ -147,15 +174,15 @@ def plan_share(
     context (a model larger than its share still takes requests), and never more than max_num_seqs full
     contexts (as plan_memory). Unlike plan_memory it does not look at the memory free now: the server weighs
     the total against its own budget, unloading idle models to make room."""
-    kv_per_token = kv_bytes_per_token(config, kv_dtype)
+    layout = KVLayout.of(config)
     act = activation_bytes(config, engine)
-    block = engine.block_size * kv_per_token
-    one_context = -(-context_length // engine.block_size)
-    wanted = -(-engine.max_num_seqs * context_length // engine.block_size)
+    block = engine.block_size * kv_bytes_per_token(config, kv_dtype, layout.group_size)
+    one_context = blocks_held(layout.windows, context_length, engine.block_size)
+    wanted = engine.max_num_seqs * one_context
     if engine.kv_cache_memory is not None:
         num_blocks = engine.kv_cache_memory // block
         if num_blocks < 1:
             raise MemoryPlanError(f"kv_cache_memory={engine.kv_cache_memory} bytes is less than one KV block ({block} bytes)")
     else:
         num_blocks = max(one_context, (share - weight_bytes - act) // block)
-    return MemoryPlan(weight_bytes, act, kv_per_token, engine.block_size, min(num_blocks, wanted), share)
+    return MemoryPlan(weight_bytes, act, block, engine.block_size, min(num_blocks, wanted), share, layout)

@@ -1,6 +1,6 @@
 """ModelRunner: executes what the scheduler decided, on the model and the KV-cache memory.
 
-scheduled sequences (and their proposed tokens) -> ForwardBatch (positions, slot mapping, block tables, LoRA
+scheduled sequences (and their proposed tokens) -> ForwardBatch (positions, slot mappings, block tables, LoRA
 slots) -> model -> logits
 """
 
@@ -28,8 +28,9 @@ class ModelRunner:
         all_logits = all_logits or [False] * len(scheduled)
         chunks = [
             SequenceChunk(
-                s.seq.token_ids[: s.start + s.num_tokens] + s.draft, s.start, s.seq.block_table, need_logits=s.sample,
+                s.seq.token_ids[: s.start + s.num_tokens] + s.draft, s.start, s.seq.block_tables[0], need_logits=s.sample,
                 num_logits=1 + len(s.draft), all_logits=every, lora_slot=s.seq.lora_slot, lora_scale=s.seq.lora_scale,
+                group_tables=s.seq.block_tables[1:],
             )
             for s, every in zip(scheduled, all_logits, strict=True)
         ]

@@ -134,7 +134,8 @@ class Scheduler:
         """
         if num_tokens < 1:
             return False
-        if self.block_manager.num_blocks_for(num_tokens) > self.block_manager.num_blocks:
+        bm = self.block_manager
+        if bm.num_blocks_held(num_tokens, min(num_tokens, self.max_num_batched_tokens)) > bm.num_blocks:
             return False
         prompt = num_tokens if num_prompt_tokens is None else num_prompt_tokens
         return self.enable_chunked_prefill or prompt <= self.max_num_batched_tokens
@@ -145,7 +146,7 @@ class Scheduler:
         """Queue a new sequence (WAITING, holding no blocks) at the back of the waiting queue."""
         if seq.seq_id in self._unfinished:
             raise ValueError(f"sequence {seq.seq_id} was added twice")
-        if seq.status is not SequenceStatus.WAITING or seq.block_table:
+        if seq.status is not SequenceStatus.WAITING or seq.block_tables:
             raise ValueError(f"only a new waiting sequence can be added, got {seq!r}")
         self._unfinished[seq.seq_id] = seq
         self._waiting.append(seq)
@@ -226,7 +227,7 @@ class Scheduler:
                 victim = self.running[-1]
                 if victim is seq and i == 0:
                     raise CacheCapacityError(
-                        f"sequence {seq.seq_id} needs {bm.num_blocks_for(seq.num_computed_tokens + n)} KV blocks"
+                        f"sequence {seq.seq_id} needs {bm.num_blocks_held(seq.num_computed_tokens + n, n)} KV blocks"
                         f" of {bm.block_size} tokens but the pool has {bm.num_blocks}; it can never run"
                         " (check requests with Scheduler.can_ever_fit)"
                     )
@@ -268,7 +269,7 @@ class Scheduler:
                 if not self.running and bm.num_used_blocks == 0:
                     raise CacheCapacityError(
                         f"sequence {seq.seq_id} ({seq.num_tokens} tokens) cannot get"
-                        f" {bm.num_blocks_for(seq.num_computed_tokens + n)} KV blocks from an empty pool of"
+                        f" {bm.num_blocks_held(seq.num_computed_tokens + n, n)} KV blocks from an empty pool of"
                         f" {bm.num_blocks}; it can never run (check requests with Scheduler.can_ever_fit)"
                     )
                 break

@@ -2,7 +2,7 @@
 
 A sequence is the unit the scheduler and the block manager work on. Its token_ids are the
 prompt followed by the tokens generated so far; num_computed_tokens of them have their keys
-and values in the KV cache (the blocks listed in block_table). The tokens still to run
+and values in the KV cache (the blocks listed in its block tables). The tokens still to run
 through the model are token_ids[num_computed_tokens:]:
 
     prefill   many uncomputed tokens (the prompt, in one step or in chunks)
@@ -48,7 +48,9 @@ class Sequence:
 
     seq_id: unique; increasing ids mean later arrival (the scheduler's preemption order).
         Taken from a process-wide counter unless the caller gives one.
-    block_table: KV block ids; block i holds tokens [i * block_size, (i + 1) * block_size).
+    block_tables: per KV group (model/kv_layout.py; one for a model without windowed layers) its KV block
+        ids; block i holds tokens [i * block_size, (i + 1) * block_size). [] while it holds no blocks. A windowed
+        group's leading entries, released, are never read (engine/block_manager.py).
     num_computed_tokens: leading tokens whose K/V are in the cache; the block manager counts
         them (allocation, commit after each step, free).
     num_cached_tokens: how many leading tokens the last allocation took from the prefix
@@ -90,7 +92,7 @@ class Sequence:
         self.finish_reason: FinishReason | None = None
         self.num_computed_tokens: int = 0
         self.num_cached_tokens: int = 0
-        self.block_table: list[int] = []
+        self.block_tables: list[list[int]] = []
         self.block_hashes: list[int] = []
         self.lora_slot: int = lora_slot
         self.lora_scale: float = lora_scale
@@ -102,8 +104,13 @@ class Sequence:
     def __repr__(self) -> str:
         return (
             f"Sequence(seq_id={self.seq_id}, status={self.status.name}, tokens={self.num_tokens}"
-            f" (prompt {self.num_prompt_tokens}), computed={self.num_computed_tokens}, blocks={self.block_table})"
+            f" (prompt {self.num_prompt_tokens}), computed={self.num_computed_tokens}, blocks={self.block_tables})"
         )
+
+    @property
+    def block_table(self) -> list[int]:
+        """The first KV group's block table (a model without windowed layers has no other); [] without blocks."""
+        return self.block_tables[0] if self.block_tables else []
 
     @property
     def num_tokens(self) -> int:

@@ -16,6 +16,7 @@ from typing import Any, Protocol, Sequence
 
 import torch
 
+from churon.model.kv_layout import KVLayout
 from churon.model.batch import ForwardBatch
 from churon.model.weights import RawWeight
 
@@ -24,12 +25,13 @@ class KVCache(Protocol):
     """The KV-cache memory as backends see it: per layer, K and V [num_blocks, block_size, kv_heads, head_dim]
     (int8 caches with float32 scales [num_blocks, block_size, kv_heads]), addressed by slot."""
 
-    k: torch.Tensor  # [layers, num_blocks, block_size, kv_heads, head_dim]
+    k: torch.Tensor  # [layers, num_blocks, block_size, kv_heads, head_dim] (layers: the layout's group size)
     v: torch.Tensor
     k_scale: torch.Tensor | None  # int8 caches only
     v_scale: torch.Tensor | None
     block_size: int
     dtype_name: str  # "float32", "bfloat16", "float16" or "int8"
+    layout: KVLayout  # per model layer, its KV group and its index in k and v
 
     def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None: ...
 

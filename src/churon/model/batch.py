@@ -5,11 +5,15 @@ id, its position in its sequence and the KV-cache slot its keys and values go to
 sequence: where its tokens start in the flat layout, how many keys its attention sees, and
 its block table. logits_indices says which tokens' logits the step returns. A sequence run under
 a LoRA adapter gives each of its tokens the adapter's slot and the request's lora_scale.
+
+A model whose windowed and global layers keep their K/V apart (model/kv_layout.py) gives each sequence a block
+table per KV group; the batch then has per group its own slot mapping and tables: `kv_group(g)` is the batch
+as group g's layers see it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 import torch
@@ -27,6 +31,7 @@ class SequenceChunk:
     all_logits: bool = False  # logits of every token (evaluation)
     lora_slot: int = -1  # the LoRA adapter's slot (churon.model.lora.LoraSlots); -1: none
     lora_scale: float = 1.0  # multiplies the adapter's delta (the request's lora_scale)
+    group_tables: Sequence[Sequence[int]] = ()  # the block tables of KV groups 1, 2, ... (block_table: group 0's)
 
 
 @dataclass
@@ -46,6 +51,11 @@ class ForwardBatch:
     # otherwise, so a step without adapters pays nothing for them
     lora_slots: torch.Tensor | None = None  # int32 [tokens]
     lora_scales: torch.Tensor | None = None  # float32 [tokens]
+    # the batch as KV groups 1, 2, ... see it (their slot mappings and block tables); the batch itself is group 0's
+    group_views: list["ForwardBatch"] = field(default_factory=list)
+
+    def kv_group(self, group: int) -> "ForwardBatch":
+        return self.group_views[group - 1] if group else self
 
     @property
     def num_tokens(self) -> int:
@@ -61,25 +71,17 @@ class ForwardBatch:
         positions: list[int] = []
         query_start = [0]
         context_lens: list[int] = []
-        slots: list[int] = []
         logits_indices: list[int] = []
-        max_blocks = max(len(c.block_table) for c in chunks)
-        tables: list[list[int]] = []
-        # plain Python per chunk: a few small torch ops per sequence took 2.8 ms of a 64-sequence
-        # decode step, this 0.6 ms
         for i, c in enumerate(chunks):
             end = len(c.token_ids)
             if not 0 <= c.start < end:
                 raise ValueError(f"sequence chunk {i}: start {c.start} outside its {end} tokens")
-            if -(-end // block_size) > len(c.block_table):
+            if any(-(-end // block_size) > len(t) for t in (c.block_table, *c.group_tables)):
                 raise ValueError(f"sequence chunk {i}: {end} tokens need more than its {len(c.block_table)} blocks")
             if c.lora_slot < -1:
                 raise ValueError(f"sequence chunk {i}: LoRA slot {c.lora_slot} (a slot is >= 0, or -1 for none)")
             ids.extend(c.token_ids[c.start :])
             positions.extend(range(c.start, end))
-            table = list(c.block_table)
-            tables.append(table + [0] * (max_blocks - len(table)))
-            slots.extend(table[pos // block_size] * block_size + pos % block_size for pos in range(c.start, end))
             context_lens.append(end)
             if c.all_logits:
                 logits_indices.extend(range(query_start[-1], query_start[-1] + end - c.start))
@@ -88,26 +90,51 @@ class ForwardBatch:
                     raise ValueError(f"sequence chunk {i}: logits of its last {c.num_logits} tokens of {end - c.start}")
                 logits_indices.extend(range(query_start[-1] + end - c.start - c.num_logits, query_start[-1] + end - c.start))
             query_start.append(query_start[-1] + end - c.start)
-        block_tables = torch.tensor(tables, dtype=torch.int32)
-        positions_t = torch.tensor(positions, dtype=torch.int64)
+        num_groups = 1 + len(chunks[0].group_tables)
+        if any(len(c.group_tables) != num_groups - 1 for c in chunks):
+            raise ValueError("the sequence chunks of a batch must have one block table per KV group each")
         seq_of_token = torch.repeat_interleave(torch.arange(len(chunks)), torch.tensor(query_start).diff())
+        groups = [_kv_tables([c.block_table if g == 0 else c.group_tables[g - 1] for c in chunks], chunks, block_size,
+                             seq_of_token) for g in range(num_groups)]
+        positions_t = torch.tensor(positions, dtype=torch.int64)
         lora_slots = lora_scales = None
         if any(c.lora_slot >= 0 for c in chunks):
             lora_slots = torch.tensor([c.lora_slot for c in chunks], dtype=torch.int32)[seq_of_token]
             lora_scales = torch.tensor([c.lora_scale for c in chunks], dtype=torch.float32)[seq_of_token]
-        return cls(
+        slot_mapping, block_tables, token_block_tables = groups[0]
+        batch = cls(
             input_ids=torch.tensor(ids, dtype=torch.int64),
             positions=positions_t,
-            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            slot_mapping=slot_mapping,
             query_start=query_start,
             context_lens=context_lens,
             block_tables=block_tables,
             logits_indices=torch.tensor(logits_indices, dtype=torch.int64),
-            token_block_tables=block_tables[seq_of_token].contiguous(),
+            token_block_tables=token_block_tables,
             token_context_lens=(positions_t + 1).to(torch.int32),
             lora_slots=lora_slots,
             lora_scales=lora_scales,
         )
+        batch.group_views = [replace(batch, slot_mapping=m, block_tables=t, token_block_tables=tt, group_views=[])
+                             for m, t, tt in groups[1:]]
+        return batch
+
+
+def _kv_tables(tables: Sequence[Sequence[int]], chunks: Sequence[SequenceChunk], block_size: int,
+               seq_of_token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One KV group's slot mapping [tokens], block tables [seqs, max_blocks] (padded with 0) and per-token tables,
+    from each chunk's table in that group."""
+    max_blocks = max(len(t) for t in tables)
+    padded: list[list[int]] = []
+    slots: list[int] = []
+    # plain Python per chunk: a few small torch ops per sequence took 2.8 ms of a 64-sequence
+    # decode step, this 0.6 ms
+    for table, c in zip(tables, chunks):
+        table = list(table)
+        padded.append(table + [0] * (max_blocks - len(table)))
+        slots.extend(table[pos // block_size] * block_size + pos % block_size for pos in range(c.start, len(c.token_ids)))
+    block_tables = torch.tensor(padded, dtype=torch.int32)
+    return torch.tensor(slots, dtype=torch.int64), block_tables, block_tables[seq_of_token].contiguous()
 
 
 @dataclass

@@ -281,7 +281,7 @@ class DecoderBlock:
         """x: the residual stream [tokens, hidden]; h: x after the layer's input norm. Adds the attention's
         output to x in place (Gemma: normed first) and returns the MLP's output (Gemma: normed too), for the caller to
         add, fused with the next norm.
-        K and V go to the cache's layer cache_layer. lora: the layer's LoRA stacks by fused matrix
+        K and V go to model layer cache_layer's place in the cache (its layout's KV group and index). lora: the layer's LoRA stacks by fused matrix
         (LoraSlots.layers[i]), given when the batch carries adapter slots."""
         b, c, eps = self.backend, self.config, self.config.rms_norm_eps
         n = batch.num_tokens
@@ -296,8 +296,10 @@ class DecoderBlock:
             k_cols = slice(q_size, q_size + kv_size)
             qkv[:, k_cols] = b.rms_norm(qkv[:, k_cols].reshape(-1, width or kv_size), layer.k_norm, eps).view(n, -1)
         cos, sin = (self.local_cos, self.local_sin) if layer.window else (self.cos, self.sin)
-        q = b.rope_and_cache(qkv, self.heads, batch, cos, sin, cache, cache_layer)
-        attn = b.attention(q, cache, cache_layer, batch, self.scale, window=layer.window,
+        group, slot = cache.layout.layer_slots[cache_layer]  # where the layer's K/V live, through which tables
+        kv = batch.kv_group(group)
+        q = b.rope_and_cache(qkv, self.heads, kv, cos, sin, cache, slot)
+        attn = b.attention(q, cache, slot, kv, self.scale, window=layer.window,
                            softcap=c.attn_logit_softcap).reshape(n, -1)
         o = b.linear(layer.o, attn)
         if lora:
