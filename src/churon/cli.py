@@ -548,10 +548,23 @@ def cmd_inspect(args) -> int:
     print(f"\nmemory (KV cache in {args.kv_dtype}):")
     print(f"weights                {_bytes(weight_bytes)} in the file")
     print(f"KV cache per token     {per_token:,} bytes (2 x {c.num_layers} layers x {c.num_kv_heads} KV heads x ({per_head}))")
-    contexts = [2048, 8192, 32768]
-    rows = [(f"{ctx // 1024}k" + ("" if ctx <= c.context_length else " (> model context)"),) + tuple(_bytes(per_token * ctx * s) for s in (1, 8, 32)) for ctx in contexts]
-    _table(["context", "1 sequence", "8 sequences", "32 sequences"], rows)
     plan = plan_memory(c, weight_bytes, EngineConfig(), c.context_length, kv_dtype)
+    layout = plan.layout
+    windowed = sum(len(g.layers) for g in layout.groups if g.window)
+    if windowed:
+        per_layer = kv_bytes_per_token(c, kv_dtype, 1)
+        print(f"  by layer kind        global layers ({c.num_layers - windowed}): {per_layer * (c.num_layers - windowed):,}"
+              f" bytes a token of context; windowed layers ({windowed}): {per_layer * windowed:,} bytes a token of"
+              f" their window only (blocks behind it are freed; {layout.num_groups} KV groups of {layout.group_size}"
+              " layers)")
+
+    def context_bytes(ctx: int) -> int:  # what one sequence of ctx tokens holds at most
+        return plan.sequence_slots(ctx) // plan.block_size * plan.block_bytes
+
+    contexts = [2048, 8192, 32768]
+    rows = [(f"{ctx // 1024}k" + ("" if ctx <= c.context_length else " (> model context)"),)
+            + tuple(_bytes(context_bytes(ctx) * s) for s in (1, 8, 32)) for ctx in contexts]
+    _table(["context", "1 sequence", "8 sequences", "32 sequences"], rows)
     print(f"\nmemory plan on this machine (default engine settings): {plan.describe(c.context_length)}")
     _print_native_layouts(m)
     _print_tensors(m, args)
