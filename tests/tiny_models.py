@@ -43,7 +43,9 @@ ARCHS = ("llama", "qwen2", "qwen3")  # the Llama-layout families (LoRA's tests r
 # matrices and a window on every layer
 # mixture-of-experts families, by Hugging Face model_type: routed experts in place of the MLP (Qwen2-MoE: a shared
 # expert beside them; OLMoE: q/k norms over whole projections)
-MOE_ARCHS = ("qwen3_moe", "mixtral", "olmoe", "qwen2_moe")
+# gpt-oss: attention sinks and biases, windows on alternate layers, YaRN, experts with biases under a biased router,
+# their SwiGLU clamped
+MOE_ARCHS = ("qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "gpt_oss")
 DECODER_ARCHS = ARCHS + ("mistral", "gemma2", "gemma3", "phi3") + MOE_ARCHS
 
 # Sizes shared by every tiny model (the brief's numbers; head_dim = hidden / heads).
@@ -65,6 +67,13 @@ SHARED_EXPERT_INTERMEDIATE = 48
 # a few percent, where 8-bit activations swap them), yet not so decisive that the top expert takes all the weight
 ROUTER_STD = 1.0
 OLMOE_RMS_EPS = 1e-5  # llama.cpp's converter writes 1e-5 for every OLMoE, whatever its config says
+# gpt-oss's YaRN, as its release has it but over an original context of 64 (every test's sequence within the model's
+# context of 256; head_dim 16: pairs 0-2 ramp between their own frequency and a quarter of it, the rest interpolated),
+# with the ramp's ends rounded outwards (truncate: what llama.cpp does, whatever the config says)
+GPT_OSS_YARN = {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": True,
+                "original_max_position_embeddings": 64}
+# the experts' gate/up weights large enough that the clamped SwiGLU's limit of 7 clamps a tenth of gate and up
+GPT_OSS_GATE_UP_STD = 0.6
 # Windows short enough that every test's prompt runs past them; Gemma 3 needs six layers for one global one
 SLIDING_WINDOW = 8
 GEMMA3_LAYERS = 6
@@ -178,16 +187,18 @@ QTYPES = {
     "Q4_1": (gguf.GGMLQuantizationType.Q4_1, gguf.LlamaFileType.MOSTLY_Q4_1),
     "Q5_0": (gguf.GGMLQuantizationType.Q5_0, gguf.LlamaFileType.MOSTLY_Q5_0),
     "Q5_1": (gguf.GGMLQuantizationType.Q5_1, gguf.LlamaFileType.MOSTLY_Q5_1),
+    # gpt-oss's release: its experts MXFP4 (the other matrices F32 here)
+    "MXFP4": (gguf.GGMLQuantizationType.F32, gguf.LlamaFileType.MOSTLY_MXFP4_MOE),
 }
 
 # convert_hf_to_gguf.py writes Mistral as llama (its LlamaModel), without the sliding window
 GGUF_ARCH = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3,
              "mistral": gguf.MODEL_ARCH.LLAMA, "gemma2": gguf.MODEL_ARCH.GEMMA2, "gemma3": gguf.MODEL_ARCH.GEMMA3,
              "phi3": gguf.MODEL_ARCH.PHI3, "mixtral": gguf.MODEL_ARCH.LLAMA, "qwen2_moe": gguf.MODEL_ARCH.QWEN2MOE,
-             "qwen3_moe": gguf.MODEL_ARCH.QWEN3MOE, "olmoe": gguf.MODEL_ARCH.OLMOE}
+             "qwen3_moe": gguf.MODEL_ARCH.QWEN3MOE, "olmoe": gguf.MODEL_ARCH.OLMOE, "gpt_oss": gguf.MODEL_ARCH.GPT_OSS}
 LLAMA_LAYOUT = ("llama", "mistral", "mixtral")  # LlamaModel's conversions: q/k rows permuted, vocab_size written
 # build_moe_ffn's norm_w in llama.cpp: whether it renormalizes the top-k weights (Mixtral, written as llama: always)
-LLAMA_CPP_NORM_TOPK = {"mixtral": True, "qwen3_moe": True, "qwen2_moe": False, "olmoe": False}
+LLAMA_CPP_NORM_TOPK = {"mixtral": True, "qwen3_moe": True, "qwen2_moe": False, "olmoe": False, "gpt_oss": False}
 GEMMA = ("gemma2", "gemma3")
 
 TRAINING_TEXT = """\
@@ -317,8 +328,8 @@ def make_hf_model(
     (LLAMA3_ROPE_SCALING) or a phi3's (PHI3_LONGROPE and an original_max_position_embeddings). Returns out_dir."""
     if arch not in DECODER_ARCHS:
         raise ValueError(f"unknown arch {arch!r}; expected one of {DECODER_ARCHS}")
-    if rope_scaling is not None and arch not in ("llama", "phi3"):
-        raise ValueError(f"rope_scaling is only supported for llama and phi3 here, not {arch!r}")
+    if rope_scaling is not None and arch not in ("llama", "phi3", "gpt_oss"):
+        raise ValueError(f"rope_scaling is only supported for llama, phi3 and gpt_oss here, not {arch!r}")
     head_dim = HEAD_DIM if head_dim is None else head_dim  # read now: tests widen the tiny models by patching HEAD_DIM
     if head_dim != HEAD_DIM and arch != "llama":
         raise ValueError(f"head_dim is only supported for llama here, not {arch!r}")
@@ -442,6 +453,13 @@ def _moe_config(transformers, arch: str, common: dict, rope: dict):
     """A tiny MoE config and its model class: N_EXPERTS experts of EXPERT_INTERMEDIATE, N_EXPERTS_USED a token, the
     top-k renormalized where llama.cpp does (Qwen3-MoE's releases set norm_topk_prob; Qwen2-MoE's and OLMoE's not)."""
     experts = dict(num_experts_per_tok=N_EXPERTS_USED, rope_parameters=rope)
+    if arch == "gpt_oss":  # layer_types: GptOssConfig's own, windowed on even layers
+        if rope.get("rope_type") == "default":
+            rope = {"rope_theta": ROPE_THETA, **GPT_OSS_YARN}
+        common = {k: v for k, v in common.items() if k != "hidden_act"} | {"intermediate_size": EXPERT_INTERMEDIATE}
+        return (transformers.GptOssConfig(**common, head_dim=HEAD_DIM, num_local_experts=N_EXPERTS,
+                                          num_experts_per_tok=N_EXPERTS_USED, sliding_window=SLIDING_WINDOW,
+                                          attention_bias=True, rope_parameters=rope), transformers.GptOssForCausalLM)
     if arch == "mixtral":
         return (transformers.MixtralConfig(**{**common, "intermediate_size": EXPERT_INTERMEDIATE}, head_dim=HEAD_DIM,
                                            num_local_experts=N_EXPERTS, **experts), transformers.MixtralForCausalLM)
@@ -474,8 +492,12 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
     norm_offset = -1.0 if model.config.model_type.startswith("gemma") else 0.0
     with torch.no_grad():
         for name, p in model.named_parameters():  # tied lm_head shares embed_tokens, visited once
-            if name.endswith("mlp.gate.weight"):  # a router
+            if name.endswith(("mlp.gate.weight", "mlp.router.weight")):  # a router
                 p.copy_(torch.randn(p.shape, generator=g) * ROUTER_STD)
+            elif name.endswith("experts.gate_up_proj"):  # gpt-oss's: into its SwiGLU's clamps
+                p.copy_(torch.randn(p.shape, generator=g) * GPT_OSS_GATE_UP_STD)
+            elif name.endswith("self_attn.sinks"):  # gpt-oss's sink logits, of the scores' own size
+                p.copy_(torch.randn(p.shape, generator=g))
             elif p.ndim >= 2:  # matrices, and the experts' stacked [experts, rows, cols]
                 p.copy_(torch.randn(p.shape, generator=g) * 0.15)
             elif name.endswith("bias"):

@@ -55,12 +55,23 @@ _CONFIG_KEYS = {
     "num_experts_per_tok": "num_experts_per_tok",
 }
 # model_type -> the architecture it is (Gemma 3's text-only checkpoints; the MoE families by their GGUF names)
-_ARCHITECTURE_OF = {"gemma3_text": "gemma3", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}
+_ARCHITECTURE_OF = {"gemma3_text": "gemma3", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "gpt_oss": "gpt-oss"}
 # An expert's matrix, one tensor per expert as save_pretrained writes them (Mixtral names them w1 / w3 / w2), and its
 # canonical name: the experts stacked [experts, rows, cols] as GGUF holds them
 _EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
 _EXPERT_MATRICES = {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj", "w1": "gate_proj",
                     "w3": "up_proj", "w2": "down_proj"}
+# gpt-oss's experts, each layer's as four fused tensors: gate_up_proj [experts, hidden, 2 x FFN] (gate and up
+# interleaved along the last dimension: gate, up, gate, up, ...), its bias [experts, 2 x FFN], down_proj
+# [experts, FFN, hidden] (transposed: columns are outputs) and its bias. canonical suffix -> (file suffix, the
+# canonical tensor [experts, rows, cols] or [experts, rows] from the file's)
+_FUSED_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(_bias)?")
+_FUSED_EXPERT_PARTS = {
+    "gate_up_proj": {"gate_proj.weight": lambda t: t[:, :, 0::2].transpose(1, 2), "up_proj.weight": lambda t: t[:, :, 1::2].transpose(1, 2)},
+    "gate_up_proj_bias": {"gate_proj.bias": lambda t: t[:, 0::2], "up_proj.bias": lambda t: t[:, 1::2]},
+    "down_proj": {"down_proj.weight": lambda t: t.transpose(1, 2)},
+    "down_proj_bias": {"down_proj.bias": lambda t: t},
+}
 _LAYER_TYPES = {"sliding_attention": True, "full_attention": False}
 
 
@@ -70,7 +81,8 @@ def architecture_of(model_type: str) -> str:
 
 
 def _canonical_name(hf_name: str) -> str:
-    return hf_name.removeprefix("model.").replace(".block_sparse_moe.gate.", ".mlp.gate.")  # Mixtral's router
+    # Mixtral's router and gpt-oss's
+    return hf_name.removeprefix("model.").replace(".block_sparse_moe.gate.", ".mlp.gate.").replace(".mlp.router.", ".mlp.gate.")
 
 
 def is_bert(cfg: dict[str, Any]) -> bool:
@@ -116,6 +128,8 @@ class HFModel:
                 raise ModelFileError(f"{shard}: not a readable safetensors file: {e}") from e
         # canonical name of a stacked expert tensor -> its experts' tensors in the file, by expert index
         self._experts: dict[str, dict[int, str]] = {}
+        # canonical name -> (the fused tensor of gpt-oss's experts it is a part of, how to take it out)
+        self._fused: dict[str, tuple[str, Any]] = {}
         self._file_names = self._canonical_names()
 
     def _canonical_names(self) -> dict[str, str]:
@@ -125,6 +139,11 @@ class HFModel:
         out: dict[str, str] = {}
         for name in self._index:
             expert = None if encoder else _EXPERT.fullmatch(name)
+            fused = None if encoder else _FUSED_EXPERT.fullmatch(name)
+            if fused is not None:
+                for part, take in _FUSED_EXPERT_PARTS[fused[2] + (fused[3] or "")].items():
+                    self._fused[f"layers.{fused[1]}.mlp.experts.{part}"] = (name, take)
+                continue
             if expert is not None and expert[3] in _EXPERT_MATRICES:
                 canonical = f"layers.{expert[1]}.mlp.experts.{_EXPERT_MATRICES[expert[3]]}.weight"
                 self._experts.setdefault(canonical, {})[int(expert[2])] = name
@@ -147,6 +166,8 @@ class HFModel:
         r = ConfigReader(cfg, source)
         if "attention_bias" in cfg:
             flags["attention_bias"] = r.boolean("attention_bias", False)
+            if arch == "gpt-oss":  # its attention_bias is on o_proj too
+                flags["attention_out_bias"] = flags["attention_bias"]
         if r.boolean("mlp_bias", False):
             raise UnsupportedModelError(f"{source}: mlp_bias=true is not supported")
 
@@ -241,6 +262,13 @@ class HFModel:
                     raise ModelFileError(f"{self.path}: tensor {names[e]!r} has shape {list(self._index[names[e]][1].shape)},"
                                          f" expert 0's has {list(first)}")
             shapes[canonical] = (len(names), *first)
+        for canonical, (name, take) in self._fused.items():
+            shape = self._index[name][1].shape
+            if len(shape) != (3 if name.endswith("proj") else 2) or (name.endswith("gate_up_proj") and shape[2] % 2) or (
+                    name.endswith("gate_up_proj_bias") and shape[1] % 2):
+                raise ModelFileError(f"{self.path}: tensor {name!r} has shape {list(shape)}, not gpt-oss's fused experts'"
+                                     " [experts, hidden, 2 x FFN], [experts, FFN, hidden] or [experts, 2 x FFN]")
+            shapes[canonical] = tuple(take(torch.empty(shape, device="meta")).shape)
         return shapes
 
     def check_types(self) -> None:
@@ -255,6 +283,8 @@ class HFModel:
     def file_name(self, canonical: str, expert: int = 0) -> str:
         """The name this directory uses (or would use) for a canonical tensor name (a stacked expert tensor: that of
         its expert `expert`)."""
+        if canonical in self._fused:
+            return self._fused[canonical][0]
         if ".experts." in canonical:
             return self._experts.get(canonical, {}).get(expert) or "model." + canonical.replace(
                 ".experts.", f".experts.{expert}.")
@@ -264,7 +294,7 @@ class HFModel:
 
     def load_weights(self) -> dict[str, torch.Tensor]:
         weights = {canonical: self._read(name) for canonical, name in self._file_names.items()}
-        weights |= {canonical: self.load_tensor(canonical) for canonical in self._experts}
+        weights |= {canonical: self.load_tensor(canonical) for canonical in (*self._experts, *self._fused)}
         if isinstance(self.config, ModelConfig) and self.config.tie_word_embeddings:
             weights.pop("lm_head.weight", None)
         return weights
@@ -274,6 +304,9 @@ class HFModel:
         if canonical in self._experts:
             names = self._experts[canonical]
             return torch.stack([self._read(names[e]) for e in range(len(names))])
+        if canonical in self._fused:
+            name, take = self._fused[canonical]
+            return take(self._read(name)).contiguous()
         name = self.file_name(canonical)
         if name not in self._index:
             raise ModelFileError(f"{self.path}: no tensor {canonical!r}")
@@ -316,7 +349,7 @@ def _layer_windows(cfg: dict[str, Any], r: ConfigReader, arch: str, num_layers: 
     return windows_of_pattern(num_layers, window, period)
 
 
-_MOE_ARCHITECTURES = ("mixtral", "qwen2moe", "qwen3moe", "olmoe")  # the MoE families a directory may hold
+_MOE_ARCHITECTURES = ("mixtral", "qwen2moe", "qwen3moe", "olmoe", "gpt-oss")  # the MoE families a directory may hold
 
 
 def _moe_fields(cfg: dict[str, Any], r: ConfigReader, arch: str, num_layers: int, file_bytes: int,
@@ -333,7 +366,10 @@ def _moe_fields(cfg: dict[str, Any], r: ConfigReader, arch: str, num_layers: int
         "moe_intermediate_size": r.dimension("moe_intermediate_size" if arch.startswith("qwen") else "intermediate_size",
                                              file_bytes),
     }
-    if arch != "mixtral":
+    if arch == "gpt-oss":  # its softmax is over the chosen k already; the clamped SwiGLU's constants
+        fields["swiglu_alpha"] = r.number("swiglu_alpha", 1.702)
+        fields["swiglu_limit"] = r.number("swiglu_limit", 7.0)
+    elif arch != "mixtral":
         fields["norm_topk_prob"] = r.boolean("norm_topk_prob", False)
     if arch == "olmoe" and cfg.get("clip_qkv") is not None:
         raise UnsupportedModelError(f"{source}: clip_qkv = {cfg['clip_qkv']!r:.80} is not supported")

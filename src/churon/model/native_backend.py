@@ -142,6 +142,16 @@ class NativeBackend:
         self.cpu.geglu(gate_up.data_ptr(), out.data_ptr(), gate_up.shape[0], n)
         return out
 
+    def swiglu_clamped(self, gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+        """gpt-oss's SwiGLU through the swiglu kernel: silu(alpha * g) * (u + 1) / alpha = (u + 1) * g * sigmoid(alpha
+        * g), g and u clamped first. The clamps, products and quotient are torch's elementwise ops, exact (correctly
+        rounded) on their vector and scalar paths alike, so a row's bits do not depend on the batch."""
+        n = gate_up.shape[-1] // 2
+        gate_up = gate_up.contiguous()  # the matmul's own output: changed in place
+        gate_up[:, :n].clamp_(max=limit).mul_(alpha)
+        gate_up[:, n:].clamp_(min=-limit, max=limit).add_(1).div_(alpha)
+        return self.swiglu(gate_up)
+
     def attention(self, q: torch.Tensor, cache: KVCache, layer: int, batch: ForwardBatch, scale: float,
                   window: int = 0, softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Every query token attends on its own (its keys up to its position, through its sequence's block table).
