@@ -618,9 +618,12 @@ def write_gguf(hf_dir: Path, out_path: Path, qtype: str = "F32") -> Path:
     writer = gguf.GGUFWriter(path=None, arch=gguf.MODEL_ARCH_NAMES[model_arch])
 
     # --- tensors (TextModel.prepare_tensors: generate_extra_tensors first, then the checkpoint) ---
-    if arch in MOE_ARCHS and bool(hparams.get("norm_topk_prob", True)) != LLAMA_CPP_NORM_TOPK[arch]:
+    # (gpt-oss's softmax is over the chosen k: no renormalization to agree on)
+    if arch in MOE_ARCHS and arch != "gpt_oss" and bool(hparams.get("norm_topk_prob", True)) != LLAMA_CPP_NORM_TOPK[arch]:
         raise ValueError(f"{arch}: llama.cpp {'always' if LLAMA_CPP_NORM_TOPK[arch] else 'never'} renormalizes the top-k"
                          f" router weights, the config says norm_topk_prob={hparams.get('norm_topk_prob')}")
+    if arch == "gpt_oss":
+        _check_gpt_oss_convertible(hparams)
     if arch == "olmoe" and hparams["rms_norm_eps"] != OLMOE_RMS_EPS:
         raise ValueError(f"olmoe: llama.cpp's converter writes rms_norm_eps {OLMOE_RMS_EPS}, the config has"
                          f" {hparams['rms_norm_eps']}")
@@ -643,6 +646,9 @@ def write_gguf(hf_dir: Path, out_path: Path, qtype: str = "F32") -> Path:
             t = t + 1
         if arch == "gemma2" and name == "lm_head.weight":
             continue
+        if arch == "gpt_oss":
+            tensors += _gpt_oss_tensors(name, t, tensor_map)
+            continue
         if ".experts." in name:
             experts[name] = t
             tensors += _stacked_experts(experts, name, hparams, tensor_map)
@@ -656,9 +662,12 @@ def write_gguf(hf_dir: Path, out_path: Path, qtype: str = "F32") -> Path:
         data = t.to(torch.float32).numpy() if t.dtype not in (torch.float16, torch.float32) else t.numpy()
         n_dims = data.ndim
         q = data_qtype
-        # the routers stay F32 (prepare_tensors: FFN_GATE_INP, FFN_GATE_INP_SHEXP)
-        if n_dims <= 1 or new_name.endswith(("_norm.weight", "ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")):
+        # the routers stay F32 (prepare_tensors: FFN_GATE_INP, FFN_GATE_INP_SHEXP), and gpt-oss's experts' biases
+        # [experts, rows] (ggml adds them by expert id, from F32)
+        if n_dims <= 1 or new_name.endswith(("_norm.weight", "ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight", ".bias")):
             q = gguf.GGMLQuantizationType.F32
+        elif qtype == "MXFP4" and new_name.endswith("_exps.weight"):
+            q = gguf.GGMLQuantizationType.MXFP4
         try:
             qdata = gguf.quants.quantize(data, q)
         except gguf.QuantError:  # llama.cpp: "falling back to F16" (e.g. rows not a multiple of the block)
@@ -698,6 +707,44 @@ def _stacked_experts(experts: dict[str, torch.Tensor], name: str, hparams: dict,
     return out
 
 
+def _gpt_oss_tensors(name: str, t: torch.Tensor, tensor_map: gguf.TensorNameMap) -> list[tuple[str, torch.Tensor]]:
+    """GptOssModel.modify_tensors on an unquantized checkpoint: sinks get a .weight; down_proj [experts, FFN, hidden]
+    transposed to [experts, hidden, FFN]; gate_up_proj [experts, hidden, 2 x FFN] transposed and de-interleaved into
+    gate (even rows) and up (odd rows), its bias likewise."""
+    def mapped(n: str) -> str:
+        return tensor_map.get_name(n, try_suffixes=(".weight", ".bias"))
+
+    if name.endswith("self_attn.sinks"):
+        name += ".weight"
+    if name.endswith("experts.down_proj_bias"):
+        name = name.replace("down_proj_bias", "down_proj.bias")
+    elif name.endswith("experts.down_proj"):
+        name, t = name.replace("down_proj", "down_proj.weight"), t.transpose(-1, -2)
+    elif name.endswith("experts.gate_up_proj_bias"):
+        return [(mapped(name.replace("gate_up_proj_bias", "gate_proj.bias")), t[..., 0::2].contiguous()),
+                (mapped(name.replace("gate_up_proj_bias", "up_proj.bias")), t[..., 1::2].contiguous())]
+    elif name.endswith("experts.gate_up_proj"):
+        t = t.transpose(-1, -2)
+        return [(mapped(name.replace("gate_up_proj", "gate_proj.weight")), t[:, 0::2, :].contiguous()),
+                (mapped(name.replace("gate_up_proj", "up_proj.weight")), t[:, 1::2, :].contiguous())]
+    return [(mapped(name), t.contiguous())]
+
+
+def _check_gpt_oss_convertible(hparams: dict) -> None:
+    """What GptOssModel does not write, llama.cpp takes as gpt-oss's release has it: the clamped SwiGLU's alpha 1.702
+    and limit 7, YaRN's beta_fast 32 and beta_slow 1 and its ramp's ends rounded (truncate); a config that says
+    otherwise would make a GGUF whose reference is another model."""
+    rope = hparams["_rope"]
+    if rope.get("rope_type") != "yarn":
+        raise ValueError(f"gpt_oss: GptOssModel only converts yarn rope scaling, not {rope.get('rope_type')!r}")
+    for key, want, got in (("swiglu_alpha", 1.702, hparams.get("swiglu_alpha", 1.702)),
+                           ("swiglu_limit", 7.0, hparams.get("swiglu_limit", 7.0)),
+                           ("beta_fast", 32.0, rope.get("beta_fast") or 32.0), ("beta_slow", 1.0, rope.get("beta_slow") or 1.0),
+                           ("truncate", True, rope.get("truncate", True))):
+        if got != want:
+            raise ValueError(f"gpt_oss: llama.cpp takes {key} = {want}, the config has {got}")
+
+
 def _set_gguf_parameters(writer: gguf.GGUFWriter, hparams: dict, arch: str, n_blocks: int,
                          ftype: gguf.LlamaFileType) -> None:
     """TextModel.set_gguf_parameters (+ LlamaModel's vocab_size and rope.dimension_count for llama)."""
@@ -728,6 +775,12 @@ def _set_gguf_parameters(writer: gguf.GGUFWriter, hparams: dict, arch: str, n_bl
             writer.add_expert_feed_forward_length(hparams["moe_intermediate_size"])
         if hparams.get("shared_expert_intermediate_size") is not None:
             writer.add_expert_shared_feed_forward_length(hparams["shared_expert_intermediate_size"])
+    if arch == "gpt_oss":  # GptOssModel.set_gguf_parameters
+        writer.add_sliding_window(hparams["sliding_window"])
+        writer.add_expert_feed_forward_length(hparams["intermediate_size"])
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(hparams["_rope"]["factor"])
+        writer.add_rope_scaling_orig_ctx_len(hparams["_rope"].get("original_max_position_embeddings", 4096))
     if arch == "gemma2":
         writer.add_attn_logit_softcapping(hparams["attn_logit_softcapping"])
         writer.add_final_logit_softcapping(hparams["final_logit_softcapping"])
@@ -854,6 +907,13 @@ def gguf_to_hf_name(arch: str, gguf_name: str, n_blocks: int) -> str | None:
         "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
         "ffn_down_shexp": "mlp.shared_expert.down_proj", "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
     }
+    if arch == "gpt_oss":  # sinks a bare parameter; the router's own name; the experts' biases as ..._bias
+        per_block |= {"attn_sinks": "self_attn.sinks", "post_attention_norm": "post_attention_layernorm",
+                      "ffn_gate_inp": "mlp.router"}
+        if parts[2] == "attn_sinks":
+            return f"model.layers.{parts[1]}.self_attn.sinks"
+        if parts[2].endswith("_exps") and parts[3] == "bias":
+            return f"model.layers.{parts[1]}.{per_block[parts[2]]}_bias"
     if parts[2] not in per_block:
         return None
     if parts[2].endswith("_exps"):  # a bare nn.Parameter, no .weight
@@ -906,7 +966,12 @@ def reference_model(hf_dir: Path, gguf_path: Path | None = None) -> torch.nn.Mod
                 raise KeyError(f"{gguf_path}: tensor {t.name!r} maps to {hf_name!r}, which the model lacks")
             value = gguf_tensor_as_hf(reader, t, arch)
             p = params[hf_name]
-            if t.name.endswith(("ffn_gate_exps.weight", "ffn_up_exps.weight")):  # its half of gate_up_proj's rows
+            if arch == "gpt_oss" and "_exps." in t.name:  # gate/up interleaved in gate_up_proj's last dimension
+                if t.name.endswith("_exps.weight"):
+                    value = value.transpose(1, 2)  # [experts, cols, rows] as transformers multiplies x @ W
+                if "ffn_gate_exps." in t.name or "ffn_up_exps." in t.name:
+                    p = p[..., 0::2] if "ffn_gate_exps." in t.name else p[..., 1::2]
+            elif t.name.endswith(("ffn_gate_exps.weight", "ffn_up_exps.weight")):  # its half of gate_up_proj's rows
                 half = p.shape[1] // 2
                 p = p[:, :half] if ".ffn_gate_exps." in t.name else p[:, half:]
             if tuple(p.shape) != tuple(value.shape):
