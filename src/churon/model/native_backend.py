@@ -14,6 +14,7 @@ from gguf import GGMLQuantizationType
 from churon import kernels
 from churon.kernels import ops
 from churon.formats.gguf import GGUFTensor
+from churon.formats.quants import mxfp4_as_q8_0
 from churon.model.backend import KVCache
 from churon.model.batch import ForwardBatch
 from churon.model.weights import RawWeight, dense
@@ -42,6 +43,11 @@ class NativeBackend:
         self.cpu = kernels.cpu
 
     def matrix(self, w: RawWeight):
+        if isinstance(w, GGUFTensor) and w.qtype == GGMLQuantizationType.MXFP4:
+            # gpt-oss's experts: as Q8_0 blocks of the same values when every scale fits an fp16, else float32
+            q8 = mxfp4_as_q8_0(w.data)
+            if q8 is not None:
+                w = GGUFTensor(w.name, w.shape, GGMLQuantizationType.Q8_0, q8)
         if isinstance(w, GGUFTensor) and w.qtype in self.NATIVE_TYPES:
             raw, qtype, (rows, cols) = w.data, w.qtype, w.shape
         else:
