@@ -406,15 +406,23 @@ def _eog_ids(vocab: dict[str, int], named_ids: tuple[int | None, ...]) -> frozen
     """End-of-generation ids: the tokens llama.cpp stops on by their text, and the EOS / EOT / EOM ids the
     metadata names (named_ids)."""
     eog = {vocab[t] for t in (EOG_TOKEN_TEXTS | _FIM_EOG_TOKEN_TEXTS) if t in vocab}
-    # llama.cpp's exceptions: gpt-oss / solar-open continue after <|end|>, gemma4 after </s>
+    eog.difference_update(vocab[t] for t in not_ending_generation(vocab))
+    eog.update(i for i in named_ids if i is not None)
+    return frozenset(eog)
+
+
+def not_ending_generation(vocab) -> set[str]:
+    """The EOG_TOKEN_TEXTS of vocab (a container of token texts) that do not end a generation in its family, as
+    llama.cpp excepts them: gpt-oss / solar-open continue after <|end|> (harmony's end of a message: the analysis
+    channel's, before the final one), gemma4 after </s>."""
+    out = set()
     if "<|end|>" in vocab and (
         ("<|return|>" in vocab and "<|call|>" in vocab) or ("<|calls|>" in vocab and "<|flush|>" in vocab)
     ):
-        eog.discard(vocab["<|end|>"])
+        out.add("<|end|>")
     if "</s>" in vocab and "<|tool_response>" in vocab:
-        eog.discard(vocab["</s>"])
-    eog.update(i for i in named_ids if i is not None)
-    return frozenset(eog)
+        out.add("</s>")
+    return out
 
 
 def _add_special(metadata: dict[str, Any], which: str, default: bool, token_id: int | None, source: str) -> bool:
