@@ -485,16 +485,17 @@ def _gemma_common(common: dict) -> dict:
 
 def _randomize(model: torch.nn.Module, seed: int) -> None:
     """Give every parameter a seeded value large enough that mistakes show in the logits:
-    matrices ~ N(0, 0.15) (routers ~ N(0, ROUTER_STD)), norm weights ~ U(0.7, 1.3), biases ~ N(0, 0.1). Gemma's norms multiply by
-    1 + weight: theirs ~ U(-0.3, 0.3), the same scales (at 1.7-2.3 its four norms a layer make the model
+    matrices ~ N(0, 0.15) (routers ~ N(0, ROUTER_STD), gpt-oss's experts' gate/up ~ N(0, GPT_OSS_GATE_UP_STD), its
+    sinks ~ N(0, 1)), norm weights ~ U(0.7, 1.3), biases ~ N(0, 0.1). Gemma's norms multiply by 1 + weight: theirs ~ U(-0.3, 0.3), the same scales (at 1.7-2.3 its four norms a layer make the model
     chaotic: 8-bit or bf16 activations then move its logits by 10%)."""
     g = torch.Generator().manual_seed(seed)
     norm_offset = -1.0 if model.config.model_type.startswith("gemma") else 0.0
+    gpt_oss = model.config.model_type == "gpt_oss"
     with torch.no_grad():
         for name, p in model.named_parameters():  # tied lm_head shares embed_tokens, visited once
             if name.endswith(("mlp.gate.weight", "mlp.router.weight")):  # a router
                 p.copy_(torch.randn(p.shape, generator=g) * ROUTER_STD)
-            elif name.endswith("experts.gate_up_proj"):  # gpt-oss's: into its SwiGLU's clamps
+            elif gpt_oss and name.endswith("experts.gate_up_proj"):  # into its SwiGLU's clamps
                 p.copy_(torch.randn(p.shape, generator=g) * GPT_OSS_GATE_UP_STD)
             elif name.endswith("self_attn.sinks"):  # gpt-oss's sink logits, of the scores' own size
                 p.copy_(torch.randn(p.shape, generator=g))
