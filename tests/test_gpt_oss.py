@@ -324,3 +324,16 @@ def test_harmony_chat_generates(harmony):
     llm = LLM(str(harmony[1]), kernels="reference")
     out = llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(temperature=0, max_tokens=4))
     assert out.finish_reason in ("stop", "length")
+
+
+def test_quantize_keeps_the_biases_f32(tiny, tmp_path):
+    """`churon quantize` of the MXFP4 gpt-oss: its experts' 2-D biases stay F32 (llama.cpp quantizes only *weight
+    tensors), the matrices take the type, and the file loads and runs."""
+    out = tmp_path / "q.gguf"
+    assert main(["quantize", str(tiny[1]), str(out), "--type", "Q8_0"]) == 0
+    types = {t.name: t.tensor_type for t in gguf.GGUFReader(out).tensors}
+    assert types["blk.0.ffn_down_exps.bias"] == types["blk.1.ffn_gate_exps.bias"] == gguf.GGMLQuantizationType.F32
+    assert types["blk.0.ffn_down_exps.weight"] == gguf.GGMLQuantizationType.Q8_0
+    transformer, _, _ = load_model(out, kernels="reference")
+    logits = transformer(torch.tensor([5, 17, 42]), 0, SequenceKVCache.for_model(transformer, 8))
+    assert torch.isfinite(logits).all()
