@@ -94,8 +94,8 @@ def test_tensor_of_the_wrong_shape(tiny_llama_q8, tmp_path):
 
 def test_unknown_architecture(tiny_llama_q8, tmp_path):
     path = rewrite_gguf(tiny_llama_q8, tmp_path / "mamba.gguf", arch="mamba")
-    with pytest.raises(UnsupportedModelError, match=r"'mamba'.*supported: gemma2, gemma3, llama, mistral, mixtral, olmoe, phi3,"
-                                                 r" qwen2, qwen2moe, qwen3, qwen3moe"):
+    with pytest.raises(UnsupportedModelError, match=r"'mamba'.*supported: gemma2, gemma3, gpt-oss, llama, mistral, mixtral, olmoe,"
+                                                 r" phi3, qwen2, qwen2moe, qwen3, qwen3moe"):
         load_model(path)
 
 
