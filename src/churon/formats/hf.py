@@ -67,7 +67,8 @@ _EXPERT_MATRICES = {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj":
 # canonical tensor [experts, rows, cols] or [experts, rows] from the file's)
 _FUSED_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(_bias)?")
 _FUSED_EXPERT_PARTS = {
-    "gate_up_proj": {"gate_proj.weight": lambda t: t[:, :, 0::2].transpose(1, 2), "up_proj.weight": lambda t: t[:, :, 1::2].transpose(1, 2)},
+    "gate_up_proj": {"gate_proj.weight": lambda t: t[:, :, 0::2].transpose(1, 2),
+                     "up_proj.weight": lambda t: t[:, :, 1::2].transpose(1, 2)},
     "gate_up_proj_bias": {"gate_proj.bias": lambda t: t[:, 0::2], "up_proj.bias": lambda t: t[:, 1::2]},
     "down_proj": {"down_proj.weight": lambda t: t.transpose(1, 2)},
     "down_proj_bias": {"down_proj.bias": lambda t: t},
@@ -82,7 +83,8 @@ def architecture_of(model_type: str) -> str:
 
 def _canonical_name(hf_name: str) -> str:
     # Mixtral's router and gpt-oss's
-    return hf_name.removeprefix("model.").replace(".block_sparse_moe.gate.", ".mlp.gate.").replace(".mlp.router.", ".mlp.gate.")
+    name = hf_name.removeprefix("model.")
+    return name.replace(".block_sparse_moe.gate.", ".mlp.gate.").replace(".mlp.router.", ".mlp.gate.")
 
 
 def is_bert(cfg: dict[str, Any]) -> bool:
@@ -264,8 +266,8 @@ class HFModel:
             shapes[canonical] = (len(names), *first)
         for canonical, (name, take) in self._fused.items():
             shape = self._index[name][1].shape
-            if len(shape) != (3 if name.endswith("proj") else 2) or (name.endswith("gate_up_proj") and shape[2] % 2) or (
-                    name.endswith("gate_up_proj_bias") and shape[1] % 2):
+            interleaved = "gate_up_proj" in name  # gate and up alternate along its last dimension: an even one
+            if len(shape) != (3 if name.endswith("proj") else 2) or (interleaved and shape[-1] % 2):
                 raise ModelFileError(f"{self.path}: tensor {name!r} has shape {list(shape)}, not gpt-oss's fused experts'"
                                      " [experts, hidden, 2 x FFN], [experts, FFN, hidden] or [experts, 2 x FFN]")
             shapes[canonical] = tuple(take(torch.empty(shape, device="meta")).shape)
