@@ -61,6 +61,14 @@ _QWEN2 = (
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
+# GPT-4o's (o200k_base: gpt-oss, Llama 4): words split before each capital run, contractions in any case kept on
+# their word, up to three digits, a run of punctuation with the newlines and slashes after it
+_GPT4O = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
 
 @dataclass(frozen=True)
 class _BPEPre:
@@ -94,6 +102,7 @@ BPE_PRE_TOKENIZERS: dict[str, _BPEPre] = {
     # Qwen2: the Llama 3 regex with single digits
     **dict.fromkeys(["qwen2", "deepseek-r1-qwen", "stablelm2", "megrez", "hunyuan"], _QWEN2_PRE),
     "falcon": _BPEPre((r"[\p{P}\$\+<=>\^~\|`]+", _GPT2, r"[0-9][0-9][0-9]")),
+    **dict.fromkeys(["gpt-4o", "llama4"], _BPEPre((_GPT4O,))),
 }
 
 # Tokens llama.cpp treats as end of generation wherever they are in the vocabulary
