@@ -337,3 +337,72 @@ def test_quantize_keeps_the_biases_f32(tiny, tmp_path):
     transformer, _, _ = load_model(out, kernels="reference")
     logits = transformer(torch.tensor([5, 17, 42]), 0, SequenceKVCache.for_model(transformer, 8))
     assert torch.isfinite(logits).all()
+
+
+# --- the release's MXFP4 checkpoint layout -------------------------------------------------------
+
+def _openai_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [experts, rows, cols] as gpt-oss's checkpoint stores an MXFP4 matrix: _blocks [experts, rows, cols / 32, 16]
+    (element 2j in byte j's low nibble, 2j + 1 in its high one) and _scales [experts, rows, cols / 32] (E8M0), the
+    blocks' values chosen by gguf's MXFP4 quantizer (ggml's layout: byte j holds elements j and j + 16)."""
+    e, rows, cols = w.shape
+    q = torch.from_numpy(gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType.MXFP4)).reshape(e, rows, cols // 32, 17)
+    qs = q[..., 1:]
+    codes = torch.cat([qs & 15, qs >> 4], dim=-1)  # element order
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).contiguous(), q[..., 0].contiguous()
+
+
+@pytest.fixture(scope="module")
+def release_layout(tiny, tmp_path_factory):
+    """The tiny gpt-oss saved as the release is: its experts' gate_up_proj and down_proj as MXFP4 _blocks / _scales
+    (rows the outputs: gate_up's transposed), quantization_config mxfp4 in config.json."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    hf = shutil.copytree(tiny[0], tmp_path_factory.mktemp("release") / "hf")
+    tensors = load_file(hf / "model.safetensors")
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        tensors[name + "_blocks"], tensors[name + "_scales"] = _openai_mxfp4(tensors.pop(name).transpose(1, 2).contiguous())
+    save_file(tensors, hf / "model.safetensors", metadata={"format": "pt"})
+    _edit_config(hf, quantization_config={"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn",
+                                                                                             "model.layers.*.mlp.router",
+                                                                                             "model.embed_tokens", "lm_head"]})
+    return hf
+
+
+def test_the_release_s_mxfp4_checkpoint_layout_matches_transformers_dequantization(tiny, release_layout):
+    """Experts read from _blocks / _scales (kept MXFP4, not widened to float32) give transformers' logits with the
+    weights its own MXFP4 integration dequantizes them to (convert_moe_packed_tensors)."""
+    from safetensors.torch import load_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    tensors = load_file(release_layout / "model.safetensors")
+    reference = reference_model(tiny[0])
+    with torch.no_grad():
+        for i, layer in enumerate(reference.model.layers):
+            for proj in ("gate_up_proj", "down_proj"):
+                prefix = f"model.layers.{i}.mlp.experts.{proj}"
+                getattr(layer.mlp.experts, proj).copy_(convert_moe_packed_tensors(
+                    tensors[prefix + "_blocks"], tensors[prefix + "_scales"], dtype=torch.float32))
+    transformer, _, _ = load_model(release_layout, kernels="reference")
+    assert all(w.dtype == torch.float32 for w in transformer.layers[0].experts_down)
+    raw = open_model(release_layout).load_weights()["layers.0.mlp.experts.up_proj.weight"]
+    assert raw.qtype == gguf.GGMLQuantizationType.MXFP4 and raw.shape == (N_EXPERTS, 32, 64)
+    compare_prefill_and_decode(release_layout, reference)
+    if kernels.native_available():  # the native path reads them as Q8_0 blocks of the same values
+        native, _, _ = load_model(release_layout, kernels="native")
+        assert native.layers[0].experts_gate_up[0].qtype == int(gguf.GGMLQuantizationType.Q8_0)
+
+
+def test_mxfp4_blocks_without_their_scales_are_named(release_layout, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    hf = shutil.copytree(release_layout, tmp_path / "bad")
+    tensors = load_file(hf / "model.safetensors")
+    del tensors["model.layers.1.mlp.experts.down_proj_scales"]
+    save_file(tensors, hf / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelFileError, match=r"tensor 'model\.layers\.1\.mlp\.experts\.down_proj_scales' is missing"):
+        load_model(hf)

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from gguf import GGMLQuantizationType
 from safetensors import safe_open
 
 from churon.config import (
@@ -28,6 +29,8 @@ from churon.config import (
 )
 from churon.errors import ModelFileError, UnsupportedModelError
 from churon.formats import bert
+from churon.formats.gguf import GGUFTensor
+from churon.formats.quants import dequantize
 from churon.formats.model_dir import inside, read_json_object
 from churon.formats.sentence_transformers import read_pipeline
 from churon.formats.tensor_info import TensorInfo
@@ -73,6 +76,10 @@ _FUSED_EXPERT_PARTS = {
     "down_proj": {"down_proj.weight": lambda t: t.transpose(1, 2)},
     "down_proj_bias": {"down_proj.bias": lambda t: t},
 }
+# gpt-oss's release: gate_up_proj and down_proj as MXFP4, each a _blocks tensor [experts, rows, cols / 32, 16] (two
+# E2M1 codes a byte, the even element's in the low nibble) and a _scales one [experts, rows, cols / 32] (E8M0 bytes),
+# rows being outputs (gate_up's 2 x FFN interleaved gate, up, ...; down's hidden)
+_MXFP4_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)_(blocks|scales)")
 _LAYER_TYPES = {"sliding_attention": True, "full_attention": False}
 
 
@@ -132,6 +139,8 @@ class HFModel:
         self._experts: dict[str, dict[int, str]] = {}
         # canonical name -> (the fused tensor of gpt-oss's experts it is a part of, how to take it out)
         self._fused: dict[str, tuple[str, Any]] = {}
+        # canonical name -> (the MXFP4 _blocks tensor of gpt-oss's experts holding its rows, the first of them, the step)
+        self._mxfp4: dict[str, tuple[str, int, int]] = {}
         self._file_names = self._canonical_names()
 
     def _canonical_names(self) -> dict[str, str]:
@@ -142,6 +151,13 @@ class HFModel:
         for name in self._index:
             expert = None if encoder else _EXPERT.fullmatch(name)
             fused = None if encoder else _FUSED_EXPERT.fullmatch(name)
+            packed = None if encoder else _MXFP4_EXPERT.fullmatch(name)
+            if packed is not None:
+                if packed[3] == "blocks":
+                    rows = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}[packed[2]]
+                    for i, part in enumerate(rows):
+                        self._mxfp4[f"layers.{packed[1]}.mlp.experts.{part}.weight"] = (name, i, len(rows))
+                continue
             if fused is not None:
                 for part, take in _FUSED_EXPERT_PARTS[fused[2] + (fused[3] or "")].items():
                     self._fused[f"layers.{fused[1]}.mlp.experts.{part}"] = (name, take)
@@ -264,6 +280,16 @@ class HFModel:
                     raise ModelFileError(f"{self.path}: tensor {names[e]!r} has shape {list(self._index[names[e]][1].shape)},"
                                          f" expert 0's has {list(first)}")
             shapes[canonical] = (len(names), *first)
+        for canonical, (name, first, step) in self._mxfp4.items():
+            shape = self._index[name][1].shape
+            scales = self._index.get(name.removesuffix("_blocks") + "_scales")
+            if len(shape) != 4 or shape[3] != 16 or shape[1] % step:
+                raise ModelFileError(f"{self.path}: tensor {name!r} has shape {list(shape)}, not MXFP4 blocks [experts, rows,"
+                                     " blocks, 16]" + (" with rows of gate and up" if step == 2 else ""))
+            if scales is None or tuple(scales[1].shape) != tuple(shape[:3]):
+                raise ModelFileError(f"{self.path}: tensor {name.removesuffix('_blocks') + '_scales'!r} is missing or not"
+                                     f" shaped {list(shape[:3])}, as {name!r} needs")
+            shapes[canonical] = (shape[0], shape[1] // step, shape[2] * 32)
         for canonical, (name, take) in self._fused.items():
             shape = self._index[name][1].shape
             interleaved = "gate_up_proj" in name  # gate and up alternate along its last dimension: an even one
@@ -287,6 +313,8 @@ class HFModel:
         its expert `expert`)."""
         if canonical in self._fused:
             return self._fused[canonical][0]
+        if canonical in self._mxfp4:
+            return self._mxfp4[canonical][0]
         if ".experts." in canonical:
             return self._experts.get(canonical, {}).get(expert) or "model." + canonical.replace(
                 ".experts.", f".experts.{expert}.")
@@ -297,6 +325,7 @@ class HFModel:
     def load_weights(self) -> dict[str, torch.Tensor]:
         weights = {canonical: self._read(name) for canonical, name in self._file_names.items()}
         weights |= {canonical: self.load_tensor(canonical) for canonical in (*self._experts, *self._fused)}
+        weights |= {canonical: self._mxfp4_tensor(canonical) for canonical in self._mxfp4}
         if isinstance(self.config, ModelConfig) and self.config.tie_word_embeddings:
             weights.pop("lm_head.weight", None)
         return weights
@@ -309,10 +338,35 @@ class HFModel:
         if canonical in self._fused:
             name, take = self._fused[canonical]
             return take(self._read(name)).contiguous()
+        if canonical in self._mxfp4:
+            w = self._mxfp4_tensor(canonical)
+            return dequantize(w.data, w.qtype, w.shape, name=self._mxfp4[canonical][0])
         name = self.file_name(canonical)
         if name not in self._index:
             raise ModelFileError(f"{self.path}: no tensor {canonical!r}")
         return self._read(name)
+
+    def _mxfp4_tensor(self, canonical: str) -> GGUFTensor:
+        """A stacked expert matrix from gpt-oss's MXFP4 blocks and scales as ggml's MXFP4 (the same E8M0 byte and E2M1
+        codes, ggml's doubled values under its half scale being the same numbers), its rows picked (gate: the even
+        rows of gate_up, up: the odd ones), its codes in ggml's order (byte j: elements j and j + 16)."""
+        name, first, step = self._mxfp4[canonical]
+        blocks, scales = (self._read_raw(name), self._read_raw(name.removesuffix("_blocks") + "_scales"))
+        blocks, scales = blocks[:, first::step], scales[:, first::step]
+        experts, rows, n = scales.shape
+        codes = torch.stack([blocks & 15, blocks >> 4], dim=-1).reshape(-1, 32)  # element order
+        out = torch.empty(codes.shape[0], 17, dtype=torch.uint8)
+        out[:, 0] = scales.reshape(-1)
+        out[:, 1:] = codes[:, :16] | (codes[:, 16:] << 4)
+        return GGUFTensor(canonical, (experts, rows, n * 32), GGMLQuantizationType.MXFP4, out.numpy().reshape(-1))
+
+    def _read_raw(self, name: str) -> torch.Tensor:
+        shard = self._index[name][0]
+        try:
+            with safe_open(shard, framework="pt") as f:
+                return f.get_tensor(name)
+        except Exception as e:
+            raise ModelFileError(f"{shard}: cannot read tensor {name!r}: {e}") from e
 
     def _read(self, name: str) -> torch.Tensor:
         shard = self._index[name][0]
