@@ -94,8 +94,8 @@ def test_tensor_of_the_wrong_shape(tiny_llama_q8, tmp_path):
 
 def test_unknown_architecture(tiny_llama_q8, tmp_path):
     path = rewrite_gguf(tiny_llama_q8, tmp_path / "mamba.gguf", arch="mamba")
-    with pytest.raises(UnsupportedModelError, match=r"'mamba'.*supported: gemma2, gemma3, llama, mistral, mixtral, olmoe, phi3,"
-                                                 r" qwen2, qwen2moe, qwen3, qwen3moe"):
+    with pytest.raises(UnsupportedModelError, match=r"'mamba'.*supported: gemma2, gemma3, gpt-oss, llama, mistral, mixtral, olmoe,"
+                                                 r" phi3, qwen2, qwen2moe, qwen3, qwen3moe"):
         load_model(path)
 
 
@@ -436,8 +436,8 @@ def test_lying_config_json_is_a_model_file_error(tiny_llama_dir, tmp_path, confi
 
 
 def test_unsupported_rope_scaling_names_the_file(tiny_llama_dir, tmp_path):
-    bad = _hf_copy(tiny_llama_dir, tmp_path / "bad", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}})
-    with pytest.raises(UnsupportedModelError, match=r"bad/config\.json: rope_parameters: RoPE scaling type 'yarn'"):
+    bad = _hf_copy(tiny_llama_dir, tmp_path / "bad", {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 4.0}})
+    with pytest.raises(UnsupportedModelError, match=r"bad/config\.json: rope_parameters: RoPE scaling type 'dynamic'"):
         load_model(bad)
 
 
@@ -551,12 +551,13 @@ def test_lying_longrope_config_is_a_model_file_error(tiny_phi3_longrope, tmp_pat
     "config, match",
     [
         ({"partial_rotary_factor": 0.75}, r"partial_rotary_factor = 0\.75 is not supported \(RoPE over part of each"),
-        ("yarn", r"rope_parameters: RoPE scaling type 'yarn' is not supported \(supported: linear, llama3, longrope\)"),
+        ("dynamic", r"rope_parameters: RoPE scaling type 'dynamic' is not supported \(supported: linear, llama3, longrope,"
+                    r" yarn\)"),
     ],
 )
 def test_unsupported_phi3_rope_names_the_field(tiny_phi3_longrope, tmp_path, config, match):
     hf, _ = tiny_phi3_longrope
-    bad = _hf_copy(hf, tmp_path / "bad", _longrope_config(hf, rope_type="yarn") if config == "yarn" else config)
+    bad = _hf_copy(hf, tmp_path / "bad", _longrope_config(hf, rope_type="dynamic") if config == "dynamic" else config)
     with pytest.raises(UnsupportedModelError, match=re.escape(str(bad / "config.json")) + ": " + match):
         load_model(bad)
 
@@ -590,8 +591,8 @@ def assert_edited_gguf_is_a_model_file_error(path, tmp_path, edit, match):
 
 def test_unsupported_gguf_rope_scaling_names_the_key(tiny_phi3_longrope, tmp_path):
     _, path = tiny_phi3_longrope
-    bad = rewrite_gguf(path, tmp_path / "bad.gguf", fields={"phi3.rope.scaling.type": ("yarn", T.STRING)})
-    with pytest.raises(UnsupportedModelError, match=r"bad\.gguf: phi3\.rope\.scaling\.type 'yarn' is not supported"):
+    bad = rewrite_gguf(path, tmp_path / "bad.gguf", fields={"phi3.rope.scaling.type": ("dynamic", T.STRING)})
+    with pytest.raises(UnsupportedModelError, match=r"bad\.gguf: phi3\.rope\.scaling\.type 'dynamic' is not supported"):
         load_model(bad)
 
 

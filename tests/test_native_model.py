@@ -65,6 +65,32 @@ def test_native_llama_3_2(qtype, tmp_path):
     assert_native_close(model_path(hf, qtype, tmp_path), TOLERANCE[qtype])
 
 
+def test_native_gpt_oss_mxfp4_experts_run_as_q8_0(tmp_path):
+    """gpt-oss's MXFP4 experts (its release's format) repacked losslessly to Q8_0 blocks at load (every scale of these
+    fits an fp16): the native matrices are Q8_0 and hold the MXFP4 values exactly; the logits near the reference path
+    (which dequantizes the MXFP4) as other quantized experts are, and bitwise batch-invariant."""
+    from gguf import GGMLQuantizationType
+
+    hf = make_hf_model("gpt_oss", tmp_path / "hf")
+    path = write_gguf(hf, tmp_path / "m-MXFP4.gguf", "MXFP4")
+    native, _, _ = load_model(path, kernels="native")
+    reference, _, _ = load_model(path, kernels="reference")
+    layer = native.layers[0]
+    assert {m.qtype for m in layer.experts_gate_up + layer.experts_down} == {int(GGMLQuantizationType.Q8_0)}
+    want = reference.layers[0].experts_down[3]  # float32, dequantized from the MXFP4 bytes
+    got = torch.empty(want.shape)
+    ids = torch.arange(want.shape[0])
+    layer.experts_down[3].dequantize_rows(ids.data_ptr(), ids.shape[0], got.data_ptr())
+    assert torch.equal(got, want)
+    assert_native_close(path, MOE_QUANTIZED_TOLERANCE)
+    model = native
+    cache = PagedKVCache(model.config, num_blocks=64, block_size=4)
+    seq = PROMPT + [31, 41]
+    alone = run(model, [[SequenceChunk(seq, 0, list(range(8)), all_logits=True)]], cache)[0]
+    steps = [[SequenceChunk([7] * 11, 0, list(range(8, 16))), SequenceChunk(seq, 0, list(range(8)), all_logits=True)]]
+    assert torch.equal(run(model, steps, cache)[0][1:], alone)
+
+
 def assert_native_close(path, tolerance: float) -> None:
     """The prompt's logits at every position and three decode steps: native within tolerance x the largest
     reference logit."""

@@ -17,7 +17,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
 from churon.errors import ModelFileError, UnsupportedModelError
 from churon.formats import quants
-from churon.formats.quants import SUPPORTED_TYPES, dequantize
+from churon.formats.quants import MXFP4_AS_Q8_0_EXPONENTS, SUPPORTED_TYPES, dequantize, mxfp4_as_q8_0
 
 FLOAT_TYPES = [T.F32, T.F16, T.BF16]
 BLOCK_TYPES = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.MXFP4, T.Q4_K, T.Q5_K, T.Q6_K]
@@ -192,3 +192,20 @@ def test_row_not_multiple_of_block():
         dequantize(np.zeros(20, np.uint8), T.Q4_1, (1, 48))
     with pytest.raises(ModelFileError, match="block size 256"):
         dequantize(np.zeros(144, np.uint8), T.Q4_K, (2, 128))
+
+
+def test_mxfp4_as_q8_0_is_lossless_where_every_scale_fits_an_fp16():
+    """gpt-oss's MXFP4 experts go to the native kernels as Q8_0 (codes -12..12 under an fp16 power of two): the same
+    values bitwise, at every exponent an fp16 holds (2^-24, subnormal, to 2^15); a block past them: None (float32)."""
+    lo, hi = MXFP4_AS_Q8_0_EXPONENTS
+    shape = (hi - lo + 1, 64)
+    raw = random_block_bytes(T.MXFP4, shape).reshape(-1, 17)
+    raw[:, 0] = np.repeat(np.arange(lo, hi + 1, dtype=np.uint8), 2)  # every exponent, two blocks each
+    q8 = mxfp4_as_q8_0(raw.reshape(-1))
+    assert q8 is not None and q8.size == raw.shape[0] * 34
+    np.testing.assert_array_equal(dequantize(q8, T.Q8_0, shape).numpy(), reference(raw.reshape(-1), T.MXFP4, shape))
+    np.testing.assert_array_equal(dequantize(q8, T.Q8_0, shape).numpy(), dequantize(raw.reshape(-1), T.MXFP4, shape).numpy())
+    for e in (lo - 1, hi + 1):
+        beyond = raw.copy()
+        beyond[5, 0] = e
+        assert mxfp4_as_q8_0(beyond.reshape(-1)) is None

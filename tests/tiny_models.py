@@ -43,7 +43,9 @@ ARCHS = ("llama", "qwen2", "qwen3")  # the Llama-layout families (LoRA's tests r
 # matrices and a window on every layer
 # mixture-of-experts families, by Hugging Face model_type: routed experts in place of the MLP (Qwen2-MoE: a shared
 # expert beside them; OLMoE: q/k norms over whole projections)
-MOE_ARCHS = ("qwen3_moe", "mixtral", "olmoe", "qwen2_moe")
+# gpt-oss: attention sinks and biases, windows on alternate layers, YaRN, experts with biases under a biased router,
+# their SwiGLU clamped
+MOE_ARCHS = ("qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "gpt_oss")
 DECODER_ARCHS = ARCHS + ("mistral", "gemma2", "gemma3", "phi3") + MOE_ARCHS
 
 # Sizes shared by every tiny model (the brief's numbers; head_dim = hidden / heads).
@@ -65,6 +67,13 @@ SHARED_EXPERT_INTERMEDIATE = 48
 # a few percent, where 8-bit activations swap them), yet not so decisive that the top expert takes all the weight
 ROUTER_STD = 1.0
 OLMOE_RMS_EPS = 1e-5  # llama.cpp's converter writes 1e-5 for every OLMoE, whatever its config says
+# gpt-oss's YaRN, as its release has it but over an original context of 64 (every test's sequence within the model's
+# context of 256; head_dim 16: pairs 0-2 ramp between their own frequency and a quarter of it, the rest interpolated),
+# with the ramp's ends rounded outwards (truncate: what llama.cpp does, whatever the config says)
+GPT_OSS_YARN = {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": True,
+                "original_max_position_embeddings": 64}
+# the experts' gate/up weights large enough that the clamped SwiGLU's limit of 7 clamps a tenth of gate and up
+GPT_OSS_GATE_UP_STD = 0.6
 # Windows short enough that every test's prompt runs past them; Gemma 3 needs six layers for one global one
 SLIDING_WINDOW = 8
 GEMMA3_LAYERS = 6
@@ -178,16 +187,18 @@ QTYPES = {
     "Q4_1": (gguf.GGMLQuantizationType.Q4_1, gguf.LlamaFileType.MOSTLY_Q4_1),
     "Q5_0": (gguf.GGMLQuantizationType.Q5_0, gguf.LlamaFileType.MOSTLY_Q5_0),
     "Q5_1": (gguf.GGMLQuantizationType.Q5_1, gguf.LlamaFileType.MOSTLY_Q5_1),
+    # gpt-oss's release: its experts MXFP4 (the other matrices F32 here)
+    "MXFP4": (gguf.GGMLQuantizationType.F32, gguf.LlamaFileType.MOSTLY_MXFP4_MOE),
 }
 
 # convert_hf_to_gguf.py writes Mistral as llama (its LlamaModel), without the sliding window
 GGUF_ARCH = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3,
              "mistral": gguf.MODEL_ARCH.LLAMA, "gemma2": gguf.MODEL_ARCH.GEMMA2, "gemma3": gguf.MODEL_ARCH.GEMMA3,
              "phi3": gguf.MODEL_ARCH.PHI3, "mixtral": gguf.MODEL_ARCH.LLAMA, "qwen2_moe": gguf.MODEL_ARCH.QWEN2MOE,
-             "qwen3_moe": gguf.MODEL_ARCH.QWEN3MOE, "olmoe": gguf.MODEL_ARCH.OLMOE}
+             "qwen3_moe": gguf.MODEL_ARCH.QWEN3MOE, "olmoe": gguf.MODEL_ARCH.OLMOE, "gpt_oss": gguf.MODEL_ARCH.GPT_OSS}
 LLAMA_LAYOUT = ("llama", "mistral", "mixtral")  # LlamaModel's conversions: q/k rows permuted, vocab_size written
 # build_moe_ffn's norm_w in llama.cpp: whether it renormalizes the top-k weights (Mixtral, written as llama: always)
-LLAMA_CPP_NORM_TOPK = {"mixtral": True, "qwen3_moe": True, "qwen2_moe": False, "olmoe": False}
+LLAMA_CPP_NORM_TOPK = {"mixtral": True, "qwen3_moe": True, "qwen2_moe": False, "olmoe": False, "gpt_oss": False}
 GEMMA = ("gemma2", "gemma3")
 
 TRAINING_TEXT = """\
@@ -317,8 +328,8 @@ def make_hf_model(
     (LLAMA3_ROPE_SCALING) or a phi3's (PHI3_LONGROPE and an original_max_position_embeddings). Returns out_dir."""
     if arch not in DECODER_ARCHS:
         raise ValueError(f"unknown arch {arch!r}; expected one of {DECODER_ARCHS}")
-    if rope_scaling is not None and arch not in ("llama", "phi3"):
-        raise ValueError(f"rope_scaling is only supported for llama and phi3 here, not {arch!r}")
+    if rope_scaling is not None and arch not in ("llama", "phi3", "gpt_oss"):
+        raise ValueError(f"rope_scaling is only supported for llama, phi3 and gpt_oss here, not {arch!r}")
     head_dim = HEAD_DIM if head_dim is None else head_dim  # read now: tests widen the tiny models by patching HEAD_DIM
     if head_dim != HEAD_DIM and arch != "llama":
         raise ValueError(f"head_dim is only supported for llama here, not {arch!r}")
@@ -442,6 +453,13 @@ def _moe_config(transformers, arch: str, common: dict, rope: dict):
     """A tiny MoE config and its model class: N_EXPERTS experts of EXPERT_INTERMEDIATE, N_EXPERTS_USED a token, the
     top-k renormalized where llama.cpp does (Qwen3-MoE's releases set norm_topk_prob; Qwen2-MoE's and OLMoE's not)."""
     experts = dict(num_experts_per_tok=N_EXPERTS_USED, rope_parameters=rope)
+    if arch == "gpt_oss":  # layer_types: GptOssConfig's own, windowed on even layers
+        if rope.get("rope_type") == "default":
+            rope = {"rope_theta": ROPE_THETA, **GPT_OSS_YARN}
+        common = {k: v for k, v in common.items() if k != "hidden_act"} | {"intermediate_size": EXPERT_INTERMEDIATE}
+        return (transformers.GptOssConfig(**common, head_dim=HEAD_DIM, num_local_experts=N_EXPERTS,
+                                          num_experts_per_tok=N_EXPERTS_USED, sliding_window=SLIDING_WINDOW,
+                                          attention_bias=True, rope_parameters=rope), transformers.GptOssForCausalLM)
     if arch == "mixtral":
         return (transformers.MixtralConfig(**{**common, "intermediate_size": EXPERT_INTERMEDIATE}, head_dim=HEAD_DIM,
                                            num_local_experts=N_EXPERTS, **experts), transformers.MixtralForCausalLM)
@@ -467,15 +485,20 @@ def _gemma_common(common: dict) -> dict:
 
 def _randomize(model: torch.nn.Module, seed: int) -> None:
     """Give every parameter a seeded value large enough that mistakes show in the logits:
-    matrices ~ N(0, 0.15) (routers ~ N(0, ROUTER_STD)), norm weights ~ U(0.7, 1.3), biases ~ N(0, 0.1). Gemma's norms multiply by
-    1 + weight: theirs ~ U(-0.3, 0.3), the same scales (at 1.7-2.3 its four norms a layer make the model
+    matrices ~ N(0, 0.15) (routers ~ N(0, ROUTER_STD), gpt-oss's experts' gate/up ~ N(0, GPT_OSS_GATE_UP_STD), its
+    sinks ~ N(0, 1)), norm weights ~ U(0.7, 1.3), biases ~ N(0, 0.1). Gemma's norms multiply by 1 + weight: theirs ~ U(-0.3, 0.3), the same scales (at 1.7-2.3 its four norms a layer make the model
     chaotic: 8-bit or bf16 activations then move its logits by 10%)."""
     g = torch.Generator().manual_seed(seed)
     norm_offset = -1.0 if model.config.model_type.startswith("gemma") else 0.0
+    gpt_oss = model.config.model_type == "gpt_oss"
     with torch.no_grad():
         for name, p in model.named_parameters():  # tied lm_head shares embed_tokens, visited once
-            if name.endswith("mlp.gate.weight"):  # a router
+            if name.endswith(("mlp.gate.weight", "mlp.router.weight")):  # a router
                 p.copy_(torch.randn(p.shape, generator=g) * ROUTER_STD)
+            elif gpt_oss and name.endswith("experts.gate_up_proj"):  # into its SwiGLU's clamps
+                p.copy_(torch.randn(p.shape, generator=g) * GPT_OSS_GATE_UP_STD)
+            elif name.endswith("self_attn.sinks"):  # gpt-oss's sink logits, of the scores' own size
+                p.copy_(torch.randn(p.shape, generator=g))
             elif p.ndim >= 2:  # matrices, and the experts' stacked [experts, rows, cols]
                 p.copy_(torch.randn(p.shape, generator=g) * 0.15)
             elif name.endswith("bias"):
@@ -596,9 +619,12 @@ def write_gguf(hf_dir: Path, out_path: Path, qtype: str = "F32") -> Path:
     writer = gguf.GGUFWriter(path=None, arch=gguf.MODEL_ARCH_NAMES[model_arch])
 
     # --- tensors (TextModel.prepare_tensors: generate_extra_tensors first, then the checkpoint) ---
-    if arch in MOE_ARCHS and bool(hparams.get("norm_topk_prob", True)) != LLAMA_CPP_NORM_TOPK[arch]:
+    # (gpt-oss's softmax is over the chosen k: no renormalization to agree on)
+    if arch in MOE_ARCHS and arch != "gpt_oss" and bool(hparams.get("norm_topk_prob", True)) != LLAMA_CPP_NORM_TOPK[arch]:
         raise ValueError(f"{arch}: llama.cpp {'always' if LLAMA_CPP_NORM_TOPK[arch] else 'never'} renormalizes the top-k"
                          f" router weights, the config says norm_topk_prob={hparams.get('norm_topk_prob')}")
+    if arch == "gpt_oss":
+        _check_gpt_oss_convertible(hparams)
     if arch == "olmoe" and hparams["rms_norm_eps"] != OLMOE_RMS_EPS:
         raise ValueError(f"olmoe: llama.cpp's converter writes rms_norm_eps {OLMOE_RMS_EPS}, the config has"
                          f" {hparams['rms_norm_eps']}")
@@ -621,6 +647,9 @@ def write_gguf(hf_dir: Path, out_path: Path, qtype: str = "F32") -> Path:
             t = t + 1
         if arch == "gemma2" and name == "lm_head.weight":
             continue
+        if arch == "gpt_oss":
+            tensors += _gpt_oss_tensors(name, t, tensor_map)
+            continue
         if ".experts." in name:
             experts[name] = t
             tensors += _stacked_experts(experts, name, hparams, tensor_map)
@@ -634,9 +663,12 @@ def write_gguf(hf_dir: Path, out_path: Path, qtype: str = "F32") -> Path:
         data = t.to(torch.float32).numpy() if t.dtype not in (torch.float16, torch.float32) else t.numpy()
         n_dims = data.ndim
         q = data_qtype
-        # the routers stay F32 (prepare_tensors: FFN_GATE_INP, FFN_GATE_INP_SHEXP)
-        if n_dims <= 1 or new_name.endswith(("_norm.weight", "ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")):
+        # the routers stay F32 (prepare_tensors: FFN_GATE_INP, FFN_GATE_INP_SHEXP), and gpt-oss's experts' biases
+        # [experts, rows] (ggml adds them by expert id, from F32)
+        if n_dims <= 1 or new_name.endswith(("_norm.weight", "ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight", ".bias")):
             q = gguf.GGMLQuantizationType.F32
+        elif qtype == "MXFP4" and new_name.endswith("_exps.weight"):
+            q = gguf.GGMLQuantizationType.MXFP4
         try:
             qdata = gguf.quants.quantize(data, q)
         except gguf.QuantError:  # llama.cpp: "falling back to F16" (e.g. rows not a multiple of the block)
@@ -676,6 +708,44 @@ def _stacked_experts(experts: dict[str, torch.Tensor], name: str, hparams: dict,
     return out
 
 
+def _gpt_oss_tensors(name: str, t: torch.Tensor, tensor_map: gguf.TensorNameMap) -> list[tuple[str, torch.Tensor]]:
+    """GptOssModel.modify_tensors on an unquantized checkpoint: sinks get a .weight; down_proj [experts, FFN, hidden]
+    transposed to [experts, hidden, FFN]; gate_up_proj [experts, hidden, 2 x FFN] transposed and de-interleaved into
+    gate (even rows) and up (odd rows), its bias likewise."""
+    def mapped(n: str) -> str:
+        return tensor_map.get_name(n, try_suffixes=(".weight", ".bias"))
+
+    if name.endswith("self_attn.sinks"):
+        name += ".weight"
+    if name.endswith("experts.down_proj_bias"):
+        name = name.replace("down_proj_bias", "down_proj.bias")
+    elif name.endswith("experts.down_proj"):
+        name, t = name.replace("down_proj", "down_proj.weight"), t.transpose(-1, -2)
+    elif name.endswith("experts.gate_up_proj_bias"):
+        return [(mapped(name.replace("gate_up_proj_bias", "gate_proj.bias")), t[..., 0::2].contiguous()),
+                (mapped(name.replace("gate_up_proj_bias", "up_proj.bias")), t[..., 1::2].contiguous())]
+    elif name.endswith("experts.gate_up_proj"):
+        t = t.transpose(-1, -2)
+        return [(mapped(name.replace("gate_up_proj", "gate_proj.weight")), t[:, 0::2, :].contiguous()),
+                (mapped(name.replace("gate_up_proj", "up_proj.weight")), t[:, 1::2, :].contiguous())]
+    return [(mapped(name), t.contiguous())]
+
+
+def _check_gpt_oss_convertible(hparams: dict) -> None:
+    """What GptOssModel does not write, llama.cpp takes as gpt-oss's release has it: the clamped SwiGLU's alpha 1.702
+    and limit 7, YaRN's beta_fast 32 and beta_slow 1 and its ramp's ends rounded (truncate); a config that says
+    otherwise would make a GGUF whose reference is another model."""
+    rope = hparams["_rope"]
+    if rope.get("rope_type") != "yarn":
+        raise ValueError(f"gpt_oss: GptOssModel only converts yarn rope scaling, not {rope.get('rope_type')!r}")
+    for key, want, got in (("swiglu_alpha", 1.702, hparams.get("swiglu_alpha", 1.702)),
+                           ("swiglu_limit", 7.0, hparams.get("swiglu_limit", 7.0)),
+                           ("beta_fast", 32.0, rope.get("beta_fast") or 32.0), ("beta_slow", 1.0, rope.get("beta_slow") or 1.0),
+                           ("truncate", True, rope.get("truncate", True))):
+        if got != want:
+            raise ValueError(f"gpt_oss: llama.cpp takes {key} = {want}, the config has {got}")
+
+
 def _set_gguf_parameters(writer: gguf.GGUFWriter, hparams: dict, arch: str, n_blocks: int,
                          ftype: gguf.LlamaFileType) -> None:
     """TextModel.set_gguf_parameters (+ LlamaModel's vocab_size and rope.dimension_count for llama)."""
@@ -706,6 +776,12 @@ def _set_gguf_parameters(writer: gguf.GGUFWriter, hparams: dict, arch: str, n_bl
             writer.add_expert_feed_forward_length(hparams["moe_intermediate_size"])
         if hparams.get("shared_expert_intermediate_size") is not None:
             writer.add_expert_shared_feed_forward_length(hparams["shared_expert_intermediate_size"])
+    if arch == "gpt_oss":  # GptOssModel.set_gguf_parameters
+        writer.add_sliding_window(hparams["sliding_window"])
+        writer.add_expert_feed_forward_length(hparams["intermediate_size"])
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(hparams["_rope"]["factor"])
+        writer.add_rope_scaling_orig_ctx_len(hparams["_rope"].get("original_max_position_embeddings", 4096))
     if arch == "gemma2":
         writer.add_attn_logit_softcapping(hparams["attn_logit_softcapping"])
         writer.add_final_logit_softcapping(hparams["final_logit_softcapping"])
@@ -832,6 +908,13 @@ def gguf_to_hf_name(arch: str, gguf_name: str, n_blocks: int) -> str | None:
         "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
         "ffn_down_shexp": "mlp.shared_expert.down_proj", "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
     }
+    if arch == "gpt_oss":  # sinks a bare parameter; the router's own name; the experts' biases as ..._bias
+        per_block |= {"attn_sinks": "self_attn.sinks", "post_attention_norm": "post_attention_layernorm",
+                      "ffn_gate_inp": "mlp.router"}
+        if parts[2] == "attn_sinks":
+            return f"model.layers.{parts[1]}.self_attn.sinks"
+        if parts[2].endswith("_exps") and parts[3] == "bias":
+            return f"model.layers.{parts[1]}.{per_block[parts[2]]}_bias"
     if parts[2] not in per_block:
         return None
     if parts[2].endswith("_exps"):  # a bare nn.Parameter, no .weight
@@ -884,7 +967,12 @@ def reference_model(hf_dir: Path, gguf_path: Path | None = None) -> torch.nn.Mod
                 raise KeyError(f"{gguf_path}: tensor {t.name!r} maps to {hf_name!r}, which the model lacks")
             value = gguf_tensor_as_hf(reader, t, arch)
             p = params[hf_name]
-            if t.name.endswith(("ffn_gate_exps.weight", "ffn_up_exps.weight")):  # its half of gate_up_proj's rows
+            if arch == "gpt_oss" and "_exps." in t.name:  # gate/up interleaved in gate_up_proj's last dimension
+                if t.name.endswith("_exps.weight"):
+                    value = value.transpose(1, 2)  # [experts, cols, rows] as transformers multiplies x @ W
+                if "ffn_gate_exps." in t.name or "ffn_up_exps." in t.name:
+                    p = p[..., 0::2] if "ffn_gate_exps." in t.name else p[..., 1::2]
+            elif t.name.endswith(("ffn_gate_exps.weight", "ffn_up_exps.weight")):  # its half of gate_up_proj's rows
                 half = p.shape[1] // 2
                 p = p[:, :half] if ".ffn_gate_exps." in t.name else p[:, half:]
             if tuple(p.shape) != tuple(value.shape):

@@ -518,7 +518,7 @@ def cmd_inspect(args) -> int:
     tensors = m.tensors
     params = _parameters(m)
     weight_bytes = sum(t.n_bytes for t in tensors)
-    rope = f"theta {c.rope_theta:g}" + (f", scaling {c.rope_scaling}" if c.rope_scaling else "")
+    rope = f"theta {c.rope_theta:g}" + (f", {_rope_scaling(c.rope_scaling)}" if c.rope_scaling else "")
     fields = [
         ("file", str(m.path)),
         ("format", m.format),
@@ -571,9 +571,26 @@ def cmd_inspect(args) -> int:
     return 0
 
 
+def _rope_scaling(scaling: dict) -> str:
+    """ModelConfig.rope_scaling in words where it has a few numbers (YaRN), else the dict."""
+    if scaling.get("rope_type") == "yarn":
+        return (f"YaRN factor {scaling['factor']:g} over {scaling['original_max_position_embeddings']} original positions"
+                f" (beta_fast {scaling['beta_fast']:g}, beta_slow {scaling['beta_slow']:g},"
+                f"{'' if scaling['truncate'] else ' not'} truncated, cos and sin x {scaling['attention_factor']:.4g})")
+    return f"scaling {scaling}"
+
+
 def _family_fields(c) -> list[tuple[str, object]]:
     """What a family changes in the Llama layer, each line only where the model has it."""
-    fields: list[tuple[str, object]] = [("MLP", "GeGLU (tanh GELU)" if c.hidden_act == "gelu_tanh" else "SwiGLU")]
+    mlp = "GeGLU (tanh GELU)" if c.hidden_act == "gelu_tanh" else "SwiGLU"
+    if c.expert_form == "clamped_swiglu":
+        mlp = (f"clamped SwiGLU with biases: (clamp(up, -{c.swiglu_limit:g}, {c.swiglu_limit:g}) + 1) * g *"
+               f" sigmoid({c.swiglu_alpha:g} g), g = min(gate, {c.swiglu_limit:g})")
+    fields: list[tuple[str, object]] = [("MLP", mlp)]
+    if c.attention_out_bias:
+        fields.append(("output bias", True))
+    if c.attention_sinks:
+        fields.append(("attention sinks", "a learned logit per head in each softmax's denominator"))
     windowed = [w for w in c.layer_windows if w]
     if windowed:
         local = f", RoPE theta {c.rope_local_theta:g} there" if c.rope_local_theta is not None else ""
@@ -596,9 +613,15 @@ def _family_fields(c) -> list[tuple[str, object]]:
         dense = f", {c.num_layers - moe_layers} dense layers" if moe_layers < c.num_layers else ""
         fields.append(("experts", f"{c.num_experts} of FFN {c.moe_intermediate_size}, {c.num_experts_per_tok} active per"
                                   f" token{' (top-k renormalized)' if c.norm_topk_prob else ''}{shared}{dense}"))
+        if c.router_topk_first or c.router_bias:
+            fields.append(("router", ("softmax over the top-k logits" if c.router_topk_first else "top-k of a softmax")
+                           + (", with a bias" if c.router_bias else "")))
         total = sum(math.prod(shape) for shape in expected_weight_shapes(c).values())
-        # a token's matmuls skip the experts it is not routed to: gate, up and down of each
-        idle = moe_layers * (c.num_experts - c.num_experts_per_tok) * 3 * c.hidden_size * c.moe_intermediate_size
+        # a token's matmuls skip the experts it is not routed to: gate, up and down of each (and their biases)
+        per_expert = 3 * c.hidden_size * c.moe_intermediate_size
+        if c.expert_form == "clamped_swiglu":
+            per_expert += 2 * c.moe_intermediate_size + c.hidden_size
+        idle = moe_layers * (c.num_experts - c.num_experts_per_tok) * per_expert
         fields.append(("active parameters", f"{total - idle:,} ({(total - idle) / 1e6:.1f} M) of {total:,} per token"))
     return fields
 
@@ -701,6 +724,7 @@ def _print_native_layouts(m) -> None:
     """How the native kernels hold each weight type (repacked at load time), from one tensor of each."""
     from churon import kernels
     from churon.model.native_backend import NativeBackend
+    from churon.model.weights import experts
 
     if not kernels.native_available():
         print(f"\nnative kernels: not available ({kernels.reason}); the PyTorch reference path runs")
@@ -708,6 +732,8 @@ def _print_native_layouts(m) -> None:
     backend = NativeBackend()
     weights = {}
     for name, w in m.load_weights().items():
+        if len(w.shape) == 3:  # stacked experts: as the kernels hold each of them (gpt-oss's MXFP4 as Q8_0)
+            w = experts(w)[0]
         if len(w.shape) == 2:
             qtype = getattr(w, "qtype", None)  # GGML type F32 is 0: test against None, not for truth
             weights.setdefault(qtype if qtype is not None else str(w.dtype), w)

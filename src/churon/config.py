@@ -36,6 +36,11 @@ SUPPORTED_ARCHITECTURES: dict[str, dict[str, Any]] = {
     "qwen2moe": {"attention_bias": True},  # a shared expert beside the routed ones
     "qwen3moe": {"qk_norm": True},
     "olmoe": {"qk_norm": True, "qk_norm_per_head": False},
+    # gpt-oss: biases on q/k/v and o, a learned sink logit per head, windows on alternate layers, YaRN, and experts
+    # with biases under a router with a bias that ranks the logits before its softmax (over the chosen k only),
+    # their SwiGLU clamped
+    "gpt-oss": {"attention_bias": True, "attention_out_bias": True, "attention_sinks": True,
+                "expert_form": "clamped_swiglu", "router_bias": True, "router_topk_first": True},
 }
 GEMMA_ARCHITECTURES = ("gemma2", "gemma3")
 
@@ -64,6 +69,8 @@ class ModelConfig:
     rope_theta: float
     # None, or {"rope_type": "linear", "factor": f} or Llama 3's
     # {"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
+    # or YaRN's {"rope_type": "yarn", "factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
+    # "truncate" (round the ramp's ends outwards), "attention_factor"} (gpt-oss)
     # or Phi-3's {"rope_type": "longrope", "short_factor", "long_factor" (per rotated pair, frequency divisors),
     # "original_max_position_embeddings", "attention_factor" (what cos and sin are multiplied by)}
     rope_scaling: dict[str, Any] | None = None
@@ -96,6 +103,18 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0
     # layers of an MoE model whose MLP is dense, of intermediate_size (Qwen's mlp_only_layers / decoder_sparse_step)
     dense_layers: tuple[int, ...] = ()
+    # gpt-oss: o_proj has a bias; each head has a sink logit (self_attn.sinks) in its softmax's denominator
+    attention_out_bias: bool = False
+    attention_sinks: bool = False
+    # the experts' MLP: "swiglu" (silu(gate) * up, no biases) or "clamped_swiglu" (gpt-oss: biases on gate/up and
+    # down; gate clamped to at most swiglu_limit, up to [-swiglu_limit, swiglu_limit], then
+    # (up + 1) * gate * sigmoid(swiglu_alpha * gate))
+    expert_form: str = "swiglu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    router_bias: bool = False  # the router has a bias (gpt-oss)
+    # the router's top k taken over its logits, then a softmax over those k (gpt-oss); else softmax, then top k
+    router_topk_first: bool = False
     extra: dict[str, Any] = field(default_factory=dict)  # informational only (file type, name, ...)
 
     def moe_layer(self, layer: int) -> bool:
@@ -254,8 +273,30 @@ def check_rope_scaling(scaling: Any, key: str, source: str, *, head_dim: int,
         return longrope_scaling(
             [r._get(name, _MISSING) for name in ("short_factor", "long_factor")], ("short_factor", "long_factor"),
             head_dim, original, r.number("attention_factor", attention), r.source)
+    if kind == "yarn":
+        truncate = scaling.get("truncate", True)  # transformers' default
+        if not isinstance(truncate, bool):
+            raise ModelFileError(f"{source}: {key}: truncate = {truncate!r:.80} is not a boolean")
+        if scaling.get("mscale") or scaling.get("mscale_all_dim"):
+            raise UnsupportedModelError(f"{source}: {key}: YaRN's mscale / mscale_all_dim are not supported")
+        factor = r.number("factor")
+        return yarn_scaling(factor, r.integer("original_max_position_embeddings", lo=2, hi=MAX_CONTEXT_LENGTH),
+                            r.number("beta_fast", 32.0), r.number("beta_slow", 1.0), truncate,
+                            r.number("attention_factor", yarn_attention_factor(factor)))
     raise UnsupportedModelError(f"{source}: {key}: RoPE scaling type {kind!r:.80} is not supported (supported: linear,"
-                                " llama3, longrope)")
+                                " llama3, longrope, yarn)")
+
+
+def yarn_attention_factor(factor: float) -> float:
+    """YaRN's default factor on cos and sin: 0.1 ln(factor) + 1 (transformers' get_mscale, ggml's rope_yarn)."""
+    return 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+
+def yarn_scaling(factor: float, original: int, beta_fast: float, beta_slow: float, truncate: bool,
+                 attention_factor: float) -> dict[str, Any]:
+    """YaRN's scaling dict (see ModelConfig.rope_scaling), its numbers checked by the caller."""
+    return {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": original,
+            "beta_fast": beta_fast, "beta_slow": beta_slow, "truncate": truncate, "attention_factor": attention_factor}
 
 
 def longrope_scaling(factors: list[Any], names: tuple[str, str], head_dim: int, original: int, attention_factor: float,
@@ -304,7 +345,7 @@ def check_config(c: ModelConfig, keys: Mapping[str, str], source: str) -> None:
 
 # Where a file names no layer pattern: every period-th layer sees the whole history, the others are windowed
 # (llama.cpp's swa patterns and transformers 4's sliding_window_pattern defaults; period 1: a window on every layer)
-SWA_PERIODS = {"mistral": 1, "mixtral": 1, "gemma2": 2, "gemma3": 6}
+SWA_PERIODS = {"mistral": 1, "mixtral": 1, "gemma2": 2, "gemma3": 6, "gpt-oss": 2}
 
 
 def windows_of_pattern(num_layers: int, window: int, period: int) -> tuple[int, ...]:

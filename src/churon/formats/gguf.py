@@ -35,6 +35,8 @@ from churon.config import (
     longrope_scaling,
     phi3_windows,
     windows_of_pattern,
+    yarn_attention_factor,
+    yarn_scaling,
 )
 from churon.errors import ModelFileError, UnsupportedModelError
 from churon.formats import bert
@@ -299,9 +301,10 @@ _CONFIG_KEYS = {
 }
 # llama.cpp renormalizes the top-k router weights per architecture (build_moe_ffn's norm_w), unless the file says
 # {arch}.expert_weights_norm
-_NORM_TOPK = {"llama": True, "qwen3moe": True, "qwen2moe": False, "olmoe": False}
-# the stacked expert tensors a layer's expert_count must match (first dimension: the experts)
-_EXPERT_TENSORS = ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+_NORM_TOPK = {"llama": True, "qwen3moe": True, "qwen2moe": False, "olmoe": False, "gpt-oss": False}
+# the stacked expert tensors a layer's expert_count must match (first dimension: the experts; gpt-oss's biases too)
+_EXPERT_TENSORS = tuple(f"{kind}.{part}" for kind in ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+                        for part in ("weight", "bias"))
 
 # Gemma 3's windowed layers turn at base 10000 without scaling, a constant in llama.cpp (rope_freq_base_train_swa)
 GEMMA3_LOCAL_ROPE_THETA = 10000.0
@@ -359,12 +362,27 @@ _FUSED_BLOCK_NAMES = {
     "ffn_up.weight": "mlp.gate_up_proj.weight",
 }
 
+# gpt-oss: Llama's names with the norm before the MLP as post_attention_norm, o's bias, the sinks, and biases on the
+# router and the experts (gate and up stored apart, de-interleaved by the converter)
+_GPT_OSS_BLOCK_NAMES = {
+    **{k: v for k, v in _BLOCK_NAMES.items() if k != "ffn_norm.weight"},
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "attn_output.bias": "self_attn.o_proj.bias",
+    "attn_sinks.weight": "self_attn.sinks",
+    "ffn_gate_inp.bias": "mlp.gate.bias",
+    "ffn_gate_exps.bias": "mlp.experts.gate_proj.bias",
+    "ffn_up_exps.bias": "mlp.experts.up_proj.bias",
+    "ffn_down_exps.bias": "mlp.experts.down_proj.bias",
+}
+
 _FILE_NAMES = {v: k for k, v in _GLOBAL_NAMES.items()}
 # LongRoPE's frequency divisors (Phi-3), read into the config: the short factors and the long
 LONGROPE_TENSORS = ("rope_factors_short.weight", "rope_factors_long.weight")
 
 
 def _block_names(arch: str) -> dict[str, str]:
+    if arch == "gpt-oss":
+        return _GPT_OSS_BLOCK_NAMES
     if arch in GEMMA_ARCHITECTURES:
         return _SANDWICH_BLOCK_NAMES
     return _FUSED_BLOCK_NAMES if SUPPORTED_ARCHITECTURES.get(arch, {}).get("fused_projections") else _BLOCK_NAMES
@@ -453,6 +471,8 @@ class GGUFModel:
         scaling_type = f.get(keys["rope_scaling"])
         if scaling_type == "linear":
             rope_scaling = {"rope_type": "linear", "factor": r.number(arch + ".rope.scaling.factor")}
+        elif scaling_type == "yarn":
+            rope_scaling = self._yarn(arch, r)
         elif not isinstance(scaling_type, (str, type(None))):
             raise ModelFileError(f"{self.path}: {keys['rope_scaling']} = {scaling_type!r:.80} is not a string")
         elif scaling_type == "longrope" and rope_scaling is None:
@@ -460,11 +480,14 @@ class GGUFModel:
                                  f" {LONGROPE_TENSORS[1]!r} is missing")
         elif scaling_type not in (None, "none", "longrope"):
             raise UnsupportedModelError(
-                f"{self.path}: {keys['rope_scaling']} {scaling_type!r} is not supported (supported: linear, longrope)"
+                f"{self.path}: {keys['rope_scaling']} {scaling_type!r} is not supported (supported: linear, longrope, yarn)"
             )
         num_layers = r.integer(keys["num_layers"], hi=MAX_LAYERS, why=" (llama.cpp's LLAMA_MAX_LAYERS)")
         if arch in GEMMA_ARCHITECTURES:
             flags = {**flags, **self._gemma_fields(arch, r, keys, num_layers, hidden, heads)}
+        if arch == "gpt-oss":  # llama.cpp: windows on alternate layers (swa pattern 2), the clamped SwiGLU's constants
+            window = r.integer(keys["sliding_window"], hi=MAX_CONTEXT_LENGTH)
+            flags = {**flags, "layer_windows": windows_of_pattern(num_layers, window, SWA_PERIODS[arch])}
         if arch == "phi3":  # its converter writes 0 for no window
             window = r.integer(keys["sliding_window"], default=0, lo=0, hi=MAX_CONTEXT_LENGTH)
             flags = {**flags, "layer_windows": phi3_windows(num_layers, window, context_length)}
@@ -526,12 +549,22 @@ class GGUFModel:
         """Every stacked expert tensor holds expert_count experts (its first dimension), named with the key."""
         for i in range(c.num_layers if c.num_experts else 0):
             for kind in _EXPERT_TENSORS:
-                t = self.file.tensors.get(f"blk.{i}.{kind}.weight")
+                t = self.file.tensors.get(f"blk.{i}.{kind}")
                 if t is not None and t.shape[0] != c.num_experts:
                     raise ModelFileError(
                         f"{self.path}: tensor {t.name!r} holds {t.shape[0]} experts (shape {list(t.shape)}), but"
                         f" {keys['num_experts']} = {c.num_experts}"
                     )
+
+    def _yarn(self, arch: str, r: ConfigReader) -> dict[str, Any]:
+        """YaRN as llama.cpp reads it: the factor and original context, beta_fast / beta_slow (32 and 1 unless given),
+        the ramp's ends rounded outwards (ggml_rope_yarn_corr_dims), cos and sin times 0.1 ln(factor) + 1 (ggml's
+        rope_yarn) and times rope.scaling.attn_factor when the file has one."""
+        factor = r.number(f"{arch}.rope.scaling.factor")
+        return yarn_scaling(
+            factor, r.integer(f"{arch}.rope.scaling.original_context_length", lo=2, hi=MAX_CONTEXT_LENGTH),
+            r.number(f"{arch}.rope.scaling.yarn_beta_fast", 32.0), r.number(f"{arch}.rope.scaling.yarn_beta_slow", 1.0),
+            True, yarn_attention_factor(factor) * r.number(f"{arch}.rope.scaling.attn_factor", 1.0))
 
     def _longrope(self, arch: str, r: ConfigReader, head_dim: int) -> dict[str, Any] | None:
         """LongRoPE (Phi-3) as llama.cpp reads it: both factor tensors, the original context and the attention

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from gguf import GGMLQuantizationType
 from safetensors import safe_open
 
 from churon.config import (
@@ -28,6 +29,8 @@ from churon.config import (
 )
 from churon.errors import ModelFileError, UnsupportedModelError
 from churon.formats import bert
+from churon.formats.gguf import GGUFTensor
+from churon.formats.quants import dequantize
 from churon.formats.model_dir import inside, read_json_object
 from churon.formats.sentence_transformers import read_pipeline
 from churon.formats.tensor_info import TensorInfo
@@ -55,12 +58,28 @@ _CONFIG_KEYS = {
     "num_experts_per_tok": "num_experts_per_tok",
 }
 # model_type -> the architecture it is (Gemma 3's text-only checkpoints; the MoE families by their GGUF names)
-_ARCHITECTURE_OF = {"gemma3_text": "gemma3", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}
+_ARCHITECTURE_OF = {"gemma3_text": "gemma3", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "gpt_oss": "gpt-oss"}
 # An expert's matrix, one tensor per expert as save_pretrained writes them (Mixtral names them w1 / w3 / w2), and its
 # canonical name: the experts stacked [experts, rows, cols] as GGUF holds them
 _EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
 _EXPERT_MATRICES = {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj", "w1": "gate_proj",
                     "w3": "up_proj", "w2": "down_proj"}
+# gpt-oss's experts, each layer's as four fused tensors: gate_up_proj [experts, hidden, 2 x FFN] (gate and up
+# interleaved along the last dimension: gate, up, gate, up, ...), its bias [experts, 2 x FFN], down_proj
+# [experts, FFN, hidden] (transposed: columns are outputs) and its bias. canonical suffix -> (file suffix, the
+# canonical tensor [experts, rows, cols] or [experts, rows] from the file's)
+_FUSED_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(_bias)?")
+_FUSED_EXPERT_PARTS = {
+    "gate_up_proj": {"gate_proj.weight": lambda t: t[:, :, 0::2].transpose(1, 2),
+                     "up_proj.weight": lambda t: t[:, :, 1::2].transpose(1, 2)},
+    "gate_up_proj_bias": {"gate_proj.bias": lambda t: t[:, 0::2], "up_proj.bias": lambda t: t[:, 1::2]},
+    "down_proj": {"down_proj.weight": lambda t: t.transpose(1, 2)},
+    "down_proj_bias": {"down_proj.bias": lambda t: t},
+}
+# gpt-oss's release: gate_up_proj and down_proj as MXFP4, each a _blocks tensor [experts, rows, cols / 32, 16] (two
+# E2M1 codes a byte, the even element's in the low nibble) and a _scales one [experts, rows, cols / 32] (E8M0 bytes),
+# rows being outputs (gate_up's 2 x FFN interleaved gate, up, ...; down's hidden)
+_MXFP4_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)_(blocks|scales)")
 _LAYER_TYPES = {"sliding_attention": True, "full_attention": False}
 
 
@@ -70,7 +89,9 @@ def architecture_of(model_type: str) -> str:
 
 
 def _canonical_name(hf_name: str) -> str:
-    return hf_name.removeprefix("model.").replace(".block_sparse_moe.gate.", ".mlp.gate.")  # Mixtral's router
+    # Mixtral's router and gpt-oss's
+    name = hf_name.removeprefix("model.")
+    return name.replace(".block_sparse_moe.gate.", ".mlp.gate.").replace(".mlp.router.", ".mlp.gate.")
 
 
 def is_bert(cfg: dict[str, Any]) -> bool:
@@ -116,6 +137,10 @@ class HFModel:
                 raise ModelFileError(f"{shard}: not a readable safetensors file: {e}") from e
         # canonical name of a stacked expert tensor -> its experts' tensors in the file, by expert index
         self._experts: dict[str, dict[int, str]] = {}
+        # canonical name -> (the fused tensor of gpt-oss's experts it is a part of, how to take it out)
+        self._fused: dict[str, tuple[str, Any]] = {}
+        # canonical name -> (the MXFP4 _blocks tensor of gpt-oss's experts holding its rows, the first of them, the step)
+        self._mxfp4: dict[str, tuple[str, int, int]] = {}
         self._file_names = self._canonical_names()
 
     def _canonical_names(self) -> dict[str, str]:
@@ -125,6 +150,18 @@ class HFModel:
         out: dict[str, str] = {}
         for name in self._index:
             expert = None if encoder else _EXPERT.fullmatch(name)
+            fused = None if encoder else _FUSED_EXPERT.fullmatch(name)
+            packed = None if encoder else _MXFP4_EXPERT.fullmatch(name)
+            if packed is not None:
+                if packed[3] == "blocks":
+                    rows = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}[packed[2]]
+                    for i, part in enumerate(rows):
+                        self._mxfp4[f"layers.{packed[1]}.mlp.experts.{part}.weight"] = (name, i, len(rows))
+                continue
+            if fused is not None:
+                for part, take in _FUSED_EXPERT_PARTS[fused[2] + (fused[3] or "")].items():
+                    self._fused[f"layers.{fused[1]}.mlp.experts.{part}"] = (name, take)
+                continue
             if expert is not None and expert[3] in _EXPERT_MATRICES:
                 canonical = f"layers.{expert[1]}.mlp.experts.{_EXPERT_MATRICES[expert[3]]}.weight"
                 self._experts.setdefault(canonical, {})[int(expert[2])] = name
@@ -147,6 +184,8 @@ class HFModel:
         r = ConfigReader(cfg, source)
         if "attention_bias" in cfg:
             flags["attention_bias"] = r.boolean("attention_bias", False)
+            if arch == "gpt-oss":  # its attention_bias is on o_proj too
+                flags["attention_out_bias"] = flags["attention_bias"]
         if r.boolean("mlp_bias", False):
             raise UnsupportedModelError(f"{source}: mlp_bias=true is not supported")
 
@@ -241,6 +280,23 @@ class HFModel:
                     raise ModelFileError(f"{self.path}: tensor {names[e]!r} has shape {list(self._index[names[e]][1].shape)},"
                                          f" expert 0's has {list(first)}")
             shapes[canonical] = (len(names), *first)
+        for canonical, (name, first, step) in self._mxfp4.items():
+            shape = self._index[name][1].shape
+            scales = self._index.get(name.removesuffix("_blocks") + "_scales")
+            if len(shape) != 4 or shape[3] != 16 or shape[1] % step:
+                raise ModelFileError(f"{self.path}: tensor {name!r} has shape {list(shape)}, not MXFP4 blocks [experts, rows,"
+                                     " blocks, 16]" + (" with rows of gate and up" if step == 2 else ""))
+            if scales is None or tuple(scales[1].shape) != tuple(shape[:3]):
+                raise ModelFileError(f"{self.path}: tensor {name.removesuffix('_blocks') + '_scales'!r} is missing or not"
+                                     f" shaped {list(shape[:3])}, as {name!r} needs")
+            shapes[canonical] = (shape[0], shape[1] // step, shape[2] * 32)
+        for canonical, (name, take) in self._fused.items():
+            shape = self._index[name][1].shape
+            interleaved = "gate_up_proj" in name  # gate and up alternate along its last dimension: an even one
+            if len(shape) != (3 if name.endswith("proj") else 2) or (interleaved and shape[-1] % 2):
+                raise ModelFileError(f"{self.path}: tensor {name!r} has shape {list(shape)}, not gpt-oss's fused experts'"
+                                     " [experts, hidden, 2 x FFN], [experts, FFN, hidden] or [experts, 2 x FFN]")
+            shapes[canonical] = tuple(take(torch.empty(shape, device="meta")).shape)
         return shapes
 
     def check_types(self) -> None:
@@ -255,6 +311,10 @@ class HFModel:
     def file_name(self, canonical: str, expert: int = 0) -> str:
         """The name this directory uses (or would use) for a canonical tensor name (a stacked expert tensor: that of
         its expert `expert`)."""
+        if canonical in self._fused:
+            return self._fused[canonical][0]
+        if canonical in self._mxfp4:
+            return self._mxfp4[canonical][0]
         if ".experts." in canonical:
             return self._experts.get(canonical, {}).get(expert) or "model." + canonical.replace(
                 ".experts.", f".experts.{expert}.")
@@ -264,7 +324,8 @@ class HFModel:
 
     def load_weights(self) -> dict[str, torch.Tensor]:
         weights = {canonical: self._read(name) for canonical, name in self._file_names.items()}
-        weights |= {canonical: self.load_tensor(canonical) for canonical in self._experts}
+        weights |= {canonical: self.load_tensor(canonical) for canonical in (*self._experts, *self._fused)}
+        weights |= {canonical: self._mxfp4_tensor(canonical) for canonical in self._mxfp4}
         if isinstance(self.config, ModelConfig) and self.config.tie_word_embeddings:
             weights.pop("lm_head.weight", None)
         return weights
@@ -274,10 +335,38 @@ class HFModel:
         if canonical in self._experts:
             names = self._experts[canonical]
             return torch.stack([self._read(names[e]) for e in range(len(names))])
+        if canonical in self._fused:
+            name, take = self._fused[canonical]
+            return take(self._read(name)).contiguous()
+        if canonical in self._mxfp4:
+            w = self._mxfp4_tensor(canonical)
+            return dequantize(w.data, w.qtype, w.shape, name=self._mxfp4[canonical][0])
         name = self.file_name(canonical)
         if name not in self._index:
             raise ModelFileError(f"{self.path}: no tensor {canonical!r}")
         return self._read(name)
+
+    def _mxfp4_tensor(self, canonical: str) -> GGUFTensor:
+        """A stacked expert matrix from gpt-oss's MXFP4 blocks and scales as ggml's MXFP4 (the same E8M0 byte and E2M1
+        codes, ggml's doubled values under its half scale being the same numbers), its rows picked (gate: the even
+        rows of gate_up, up: the odd ones), its codes in ggml's order (byte j: elements j and j + 16)."""
+        name, first, step = self._mxfp4[canonical]
+        blocks, scales = (self._read_raw(name), self._read_raw(name.removesuffix("_blocks") + "_scales"))
+        blocks, scales = blocks[:, first::step], scales[:, first::step]
+        experts, rows, n = scales.shape
+        codes = torch.stack([blocks & 15, blocks >> 4], dim=-1).reshape(-1, 32)  # element order
+        out = torch.empty(codes.shape[0], 17, dtype=torch.uint8)
+        out[:, 0] = scales.reshape(-1)
+        out[:, 1:] = codes[:, :16] | (codes[:, 16:] << 4)
+        return GGUFTensor(canonical, (experts, rows, n * 32), GGMLQuantizationType.MXFP4, out.numpy().reshape(-1))
+
+    def _read_raw(self, name: str) -> torch.Tensor:
+        shard = self._index[name][0]
+        try:
+            with safe_open(shard, framework="pt") as f:
+                return f.get_tensor(name)
+        except Exception as e:
+            raise ModelFileError(f"{shard}: cannot read tensor {name!r}: {e}") from e
 
     def _read(self, name: str) -> torch.Tensor:
         shard = self._index[name][0]
@@ -316,7 +405,7 @@ def _layer_windows(cfg: dict[str, Any], r: ConfigReader, arch: str, num_layers: 
     return windows_of_pattern(num_layers, window, period)
 
 
-_MOE_ARCHITECTURES = ("mixtral", "qwen2moe", "qwen3moe", "olmoe")  # the MoE families a directory may hold
+_MOE_ARCHITECTURES = ("mixtral", "qwen2moe", "qwen3moe", "olmoe", "gpt-oss")  # the MoE families a directory may hold
 
 
 def _moe_fields(cfg: dict[str, Any], r: ConfigReader, arch: str, num_layers: int, file_bytes: int,
@@ -333,7 +422,10 @@ def _moe_fields(cfg: dict[str, Any], r: ConfigReader, arch: str, num_layers: int
         "moe_intermediate_size": r.dimension("moe_intermediate_size" if arch.startswith("qwen") else "intermediate_size",
                                              file_bytes),
     }
-    if arch != "mixtral":
+    if arch == "gpt-oss":  # its softmax is over the chosen k already; the clamped SwiGLU's constants
+        fields["swiglu_alpha"] = r.number("swiglu_alpha", 1.702)
+        fields["swiglu_limit"] = r.number("swiglu_limit", 7.0)
+    elif arch != "mixtral":
         fields["norm_topk_prob"] = r.boolean("norm_topk_prob", False)
     if arch == "olmoe" and cfg.get("clip_qkv") is not None:
         raise UnsupportedModelError(f"{source}: clip_qkv = {cfg['clip_qkv']!r:.80} is not supported")

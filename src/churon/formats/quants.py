@@ -109,6 +109,29 @@ def _mxfp4(blocks: torch.Tensor, out: torch.Tensor) -> None:
     out.copy_(_E2M1_DOUBLED[q.long()]).mul_(bits.view(torch.float32))
 
 
+# E8M0 exponents e whose ggml value 2^(e - 128) an fp16 holds exactly: 2^-24 (the smallest subnormal) to 2^15
+MXFP4_AS_Q8_0_EXPONENTS = (104, 143)
+
+
+def mxfp4_as_q8_0(data: np.ndarray) -> np.ndarray | None:
+    """MXFP4 blocks (17 bytes: E8M0 e | 16 bytes of E2M1 codes) as the same values in Q8_0 blocks (34 bytes: fp16 d |
+    32 int8), losslessly: ggml's doubled E2M1 values are the integers -12..12, its scale 2^(e - 128) a power of two.
+    None when some block's scale is outside what an fp16 holds (MXFP4_AS_Q8_0_EXPONENTS)."""
+    blocks = np.ascontiguousarray(data).reshape(-1, 17)
+    k = blocks[:, 0].astype(np.int32) - 128
+    lo, hi = MXFP4_AS_Q8_0_EXPONENTS
+    if k.size and not (lo - 128 <= int(k.min()) and int(k.max()) <= hi - 128):
+        return None
+    # fp16 bits of 2^k: a normal's biased exponent, or a subnormal's one mantissa bit
+    d = np.where(k >= -14, (k + 15) << 10, 1 << np.clip(k + 24, 0, 9)).astype("<u2")
+    qs = blocks[:, 1:]
+    codes = np.concatenate([qs & 15, qs >> 4], axis=1)  # values j and j + 16 share byte j, as in Q4_0
+    out = np.empty((blocks.shape[0], 34), np.uint8)
+    out[:, :2] = d.view(np.uint8).reshape(-1, 2)
+    out[:, 2:] = _E2M1_DOUBLED.to(torch.int8).numpy()[codes].view(np.uint8)
+    return out.reshape(-1)
+
+
 def _q5_1(blocks: torch.Tensor, out: torch.Tensor) -> None:
     # block_q5_1, 24 bytes: d (fp16) | m (fp16) | qh[4] (5th bits, as in q5_0) |
     # qs[16] (low 4 bits).  x = q * d + m

@@ -96,6 +96,9 @@ class Backend(Protocol):
 
     def geglu(self, gate_up: torch.Tensor) -> torch.Tensor: ...  # gelu_tanh(gate) * up (Gemma's MLP)
 
+    # gpt-oss's experts: gate clamped to at most limit, up to [-limit, limit], (up + 1) * gate * sigmoid(alpha * gate)
+    def swiglu_clamped(self, gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor: ...
+
     def attention(self, q: torch.Tensor, cache: KVCache, layer: int, batch: ForwardBatch, scale: float,
                   window: int = 0, softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Causal attention of each sequence's new tokens q [tokens, heads, head_dim] over its cached keys.

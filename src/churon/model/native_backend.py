@@ -14,6 +14,7 @@ from gguf import GGMLQuantizationType
 from churon import kernels
 from churon.kernels import ops
 from churon.formats.gguf import GGUFTensor
+from churon.formats.quants import mxfp4_as_q8_0
 from churon.model.backend import KVCache
 from churon.model.batch import ForwardBatch
 from churon.model.weights import RawWeight, dense
@@ -42,6 +43,11 @@ class NativeBackend:
         self.cpu = kernels.cpu
 
     def matrix(self, w: RawWeight):
+        if isinstance(w, GGUFTensor) and w.qtype == GGMLQuantizationType.MXFP4:
+            # gpt-oss's experts: as Q8_0 blocks of the same values when every scale fits an fp16, else float32
+            q8 = mxfp4_as_q8_0(w.data)
+            if q8 is not None:
+                w = GGUFTensor(w.name, w.shape, GGMLQuantizationType.Q8_0, q8)
         if isinstance(w, GGUFTensor) and w.qtype in self.NATIVE_TYPES:
             raw, qtype, (rows, cols) = w.data, w.qtype, w.shape
         else:
@@ -141,6 +147,16 @@ class NativeBackend:
         out = torch.empty(gate_up.shape[0], n)
         self.cpu.geglu(gate_up.data_ptr(), out.data_ptr(), gate_up.shape[0], n)
         return out
+
+    def swiglu_clamped(self, gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+        """gpt-oss's SwiGLU through the swiglu kernel: silu(alpha * g) * (u + 1) / alpha = (u + 1) * g * sigmoid(alpha
+        * g), g and u clamped first. The clamps, products and quotient are torch's elementwise ops, exact (correctly
+        rounded) on their vector and scalar paths alike, so a row's bits do not depend on the batch."""
+        n = gate_up.shape[-1] // 2
+        gate_up = gate_up.contiguous()  # the matmul's own output: changed in place
+        gate_up[:, :n].clamp_(max=limit).mul_(alpha)
+        gate_up[:, n:].clamp_(min=-limit, max=limit).add_(1).div_(alpha)
+        return self.swiglu(gate_up)
 
     def attention(self, q: torch.Tensor, cache: KVCache, layer: int, batch: ForwardBatch, scale: float,
                   window: int = 0, softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:

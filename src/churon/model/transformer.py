@@ -56,6 +56,10 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         }
         if c.attention_bias:
             shapes |= {a + "q_proj.bias": (q,), a + "k_proj.bias": (kv,), a + "v_proj.bias": (kv,)}
+        if c.attention_out_bias:
+            shapes[a + "o_proj.bias"] = (c.hidden_size,)
+        if c.attention_sinks:
+            shapes[a + "sinks"] = (c.num_heads,)
         if c.qk_norm:
             q_norm, k_norm = ((c.head_dim,), (c.head_dim,)) if c.qk_norm_per_head else ((q,), (kv,))
             shapes |= {a + "q_norm.weight": q_norm, a + "k_norm.weight": k_norm}
@@ -70,6 +74,11 @@ def _moe_shapes(c: ModelConfig, m: str) -> dict[str, tuple[int, ...]]:
     e, f, hidden = c.num_experts, c.moe_intermediate_size, c.hidden_size
     shapes = {m + "gate.weight": (e, hidden), m + "experts.gate_proj.weight": (e, f, hidden),
               m + "experts.up_proj.weight": (e, f, hidden), m + "experts.down_proj.weight": (e, hidden, f)}
+    if c.router_bias:
+        shapes[m + "gate.bias"] = (e,)
+    if c.expert_form == "clamped_swiglu":  # gpt-oss: a bias on each expert's gate, up and down
+        shapes |= {m + "experts.gate_proj.bias": (e, f), m + "experts.up_proj.bias": (e, f),
+                   m + "experts.down_proj.bias": (e, hidden)}
     s = c.shared_expert_intermediate_size
     if s:
         shapes |= {m + "shared_expert.gate_proj.weight": (s, hidden), m + "shared_expert.up_proj.weight": (s, hidden),
@@ -116,6 +125,11 @@ class LayerWeights:
     shared_gate_up: Any | None = None  # Qwen2-MoE's shared expert and its gate [1, hidden]
     shared_down: Any | None = None
     shared_gate: Any | None = None
+    o_bias: Any | None = None  # gpt-oss: o_proj's bias and each head's sink logit [heads]
+    sinks: Any | None = None
+    router_bias: Any | None = None  # gpt-oss: the router's bias [experts], each expert's gate/up and down biases
+    experts_gate_up_bias: list[Any] | None = None
+    experts_down_bias: list[Any] | None = None
 
     @classmethod
     def build(cls, config: ModelConfig, layer: int, weights: dict[str, RawWeight], backend: Backend) -> "LayerWeights":
@@ -148,6 +162,8 @@ class LayerWeights:
             window=config.window(layer),
             attn_out_norm=attn_out_norm,
             mlp_out_norm=mlp_out_norm,
+            o_bias=backend.vector(weights[a + "o_proj.bias"]) if config.attention_out_bias else None,
+            sinks=backend.vector(weights[a + "sinks"]) if config.attention_sinks else None,
             **{"gate_up": None, "down": None, **mlp},
         )
 
@@ -159,6 +175,12 @@ def _moe_weights(config: ModelConfig, m: str, weights: dict[str, RawWeight], bac
     out = {"router": backend.matrix(weights[m + "gate.weight"]),
            "experts_gate_up": [backend.matrix(concat_rows([g, u])) for g, u in zip(gates, ups)],
            "experts_down": [backend.matrix(d) for d in downs]}
+    if config.router_bias:
+        out["router_bias"] = backend.vector(weights[m + "gate.bias"])
+    if config.expert_form == "clamped_swiglu":
+        gate_bias, up_bias, down_bias = (dense(weights[m + f"experts.{x}_proj.bias"]) for x in ("gate", "up", "down"))
+        out["experts_gate_up_bias"] = [backend.vector(torch.cat([g, u])) for g, u in zip(gate_bias, up_bias)]
+        out["experts_down_bias"] = [backend.vector(d.clone()) for d in down_bias]
     if config.shared_expert_intermediate_size:
         s = m + "shared_expert."
         out |= {"shared_gate_up": backend.matrix(concat_rows([weights[s + "gate_proj.weight"], weights[s + "up_proj.weight"]])),
@@ -300,8 +322,8 @@ class DecoderBlock:
         kv = batch.kv_group(group)
         q = b.rope_and_cache(qkv, self.heads, kv, cos, sin, cache, slot)
         attn = b.attention(q, cache, slot, kv, self.scale, window=layer.window,
-                           softcap=c.attn_logit_softcap).reshape(n, -1)
-        o = b.linear(layer.o, attn)
+                           softcap=c.attn_logit_softcap, sinks=layer.sinks).reshape(n, -1)
+        o = b.linear(layer.o, attn, layer.o_bias)
         if lora:
             self.add_lora(lora, "o", o, attn, batch)
         if layer.attn_out_norm is not None:
@@ -329,14 +351,18 @@ class DecoderBlock:
         kernels a row's result does not depend on the other rows, and the routing below is row by row (softmax and
         top-k along each row, then elementwise products and sums), so a token's bits do not depend on its batch."""
         b, c = self.backend, self.config
-        probs = torch.softmax(b.linear(layer.router, h).float(), dim=-1)
-        weights, chosen = torch.topk(probs, c.num_experts_per_tok, dim=-1)  # [tokens, k], best first
+        logits = b.linear(layer.router, h, layer.router_bias).float()
+        if c.router_topk_first:  # gpt-oss: the k largest logits, then a softmax over just those
+            weights, chosen = torch.topk(logits, c.num_experts_per_tok, dim=-1)
+            weights = torch.softmax(weights, dim=-1)
+        else:
+            weights, chosen = torch.topk(torch.softmax(logits, dim=-1), c.num_experts_per_tok, dim=-1)  # best first
         if c.norm_topk_prob:
             weights = weights / _sum_columns(weights)[:, None]
         per_rank = torch.zeros(h.shape[0], c.num_experts_per_tok, c.hidden_size, dtype=h.dtype)
         for e in chosen.unique().tolist():
             tokens, ranks = (chosen == e).nonzero(as_tuple=True)
-            y = b.linear(layer.experts_down[e], b.swiglu(b.linear(layer.experts_gate_up[e], h[tokens])))
+            y = self.expert(layer, e, h[tokens])
             per_rank[tokens, ranks] = y * weights[tokens, ranks, None].to(y.dtype)
         out = _sum_columns(per_rank)
         if layer.shared_gate_up is not None:
@@ -347,6 +373,15 @@ class DecoderBlock:
             gate = torch.softmax(torch.cat([logit, torch.zeros_like(logit)], dim=-1), dim=-1)[:, :1]
             out += gate.to(shared.dtype) * shared
         return out
+
+    def expert(self, layer: LayerWeights, e: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert e's MLP of its tokens' rows x: SwiGLU, or gpt-oss's clamped SwiGLU with its biases."""
+        b, c = self.backend, self.config
+        if c.expert_form == "clamped_swiglu":
+            gate_up = b.linear(layer.experts_gate_up[e], x, layer.experts_gate_up_bias[e])
+            return b.linear(layer.experts_down[e], b.swiglu_clamped(gate_up, c.swiglu_alpha, c.swiglu_limit),
+                            layer.experts_down_bias[e])
+        return b.linear(layer.experts_down[e], b.swiglu(b.linear(layer.experts_gate_up[e], x)))
 
     def add_lora(self, lora: dict[str, Any], matrix: str, y: torch.Tensor, x: torch.Tensor,
                  batch: ForwardBatch) -> None:

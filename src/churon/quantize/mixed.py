@@ -3,7 +3,8 @@ budget spent on the tensors whose rounding costs the most.
 
 Defaults (llama.cpp's llama_tensor_get_type, for the types churon writes):
 - 1-D tensors (norms, biases, rope_freqs) stay F32, and so do BERT's position and token-type tables
-  (position_embd, token_types: llama.cpp never quantizes them);
+  (position_embd, token_types: llama.cpp never quantizes them) and every bias (gpt-oss's experts' are 2-D:
+  llama.cpp quantizes only tensors named *weight);
 - the output matrix (output.weight, or token_embd.weight when the embeddings are tied) goes to Q6_K,
   or Q8_0 when its rows are not a multiple of 256 -- unless the type is Q8_0 or a float type;
 - for Q4_K and Q5_K (llama.cpp's Q4_K_M / Q5_K_M mixes) attn_v and ffn_down of the first and last
@@ -64,7 +65,7 @@ def _use_more_bits(layer: int, n_layers: int) -> bool:
 def default_type(name: str, shape: tuple[int, ...], qtype: T, n_layers: int, tied: bool, pure: bool = False) -> T:
     """The type llama-quantize gives tensor `name` when asked for `qtype` (see the module docstring).
     tied: there is no output.weight, so token_embd takes its place (tied embeddings, or an encoder)."""
-    if len(shape) < 2 or name in ALWAYS_F32:
+    if len(shape) < 2 or name in ALWAYS_F32 or name.endswith(".bias"):
         return T.F32
     cols = shape[-1]
     if pure or qtype in FLOAT_TYPES:

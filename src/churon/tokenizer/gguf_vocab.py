@@ -61,6 +61,14 @@ _QWEN2 = (
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
+# GPT-4o's (o200k_base: gpt-oss, Llama 4): words split before each capital run, contractions in any case kept on
+# their word, up to three digits, a run of punctuation with the newlines and slashes after it
+_GPT4O = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
 
 @dataclass(frozen=True)
 class _BPEPre:
@@ -94,6 +102,7 @@ BPE_PRE_TOKENIZERS: dict[str, _BPEPre] = {
     # Qwen2: the Llama 3 regex with single digits
     **dict.fromkeys(["qwen2", "deepseek-r1-qwen", "stablelm2", "megrez", "hunyuan"], _QWEN2_PRE),
     "falcon": _BPEPre((r"[\p{P}\$\+<=>\^~\|`]+", _GPT2, r"[0-9][0-9][0-9]")),
+    **dict.fromkeys(["gpt-4o", "llama4"], _BPEPre((_GPT4O,))),
 }
 
 # Tokens llama.cpp treats as end of generation wherever they are in the vocabulary
@@ -406,15 +415,23 @@ def _eog_ids(vocab: dict[str, int], named_ids: tuple[int | None, ...]) -> frozen
     """End-of-generation ids: the tokens llama.cpp stops on by their text, and the EOS / EOT / EOM ids the
     metadata names (named_ids)."""
     eog = {vocab[t] for t in (EOG_TOKEN_TEXTS | _FIM_EOG_TOKEN_TEXTS) if t in vocab}
-    # llama.cpp's exceptions: gpt-oss / solar-open continue after <|end|>, gemma4 after </s>
+    eog.difference_update(vocab[t] for t in not_ending_generation(vocab))
+    eog.update(i for i in named_ids if i is not None)
+    return frozenset(eog)
+
+
+def not_ending_generation(vocab) -> set[str]:
+    """The EOG_TOKEN_TEXTS of vocab (a container of token texts) that do not end a generation in its family, as
+    llama.cpp excepts them: gpt-oss / solar-open continue after <|end|> (harmony's end of a message: the analysis
+    channel's, before the final one), gemma4 after </s>."""
+    out = set()
     if "<|end|>" in vocab and (
         ("<|return|>" in vocab and "<|call|>" in vocab) or ("<|calls|>" in vocab and "<|flush|>" in vocab)
     ):
-        eog.discard(vocab["<|end|>"])
+        out.add("<|end|>")
     if "</s>" in vocab and "<|tool_response>" in vocab:
-        eog.discard(vocab["</s>"])
-    eog.update(i for i in named_ids if i is not None)
-    return frozenset(eog)
+        out.add("</s>")
+    return out
 
 
 def _add_special(metadata: dict[str, Any], which: str, default: bool, token_id: int | None, source: str) -> bool:

@@ -16,7 +16,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from churon.errors import ModelFileError
 from churon.formats.hf import read_json_object
 from churon.tokenizer.core import Tokenizer
-from churon.tokenizer.gguf_vocab import EOG_TOKEN_TEXTS
+from churon.tokenizer.gguf_vocab import EOG_TOKEN_TEXTS, not_ending_generation
 
 
 def from_hf_dir(path: str | os.PathLike) -> Tokenizer:
@@ -71,8 +71,10 @@ def from_hf_dir(path: str | os.PathLike) -> Tokenizer:
     if eos_id is None and gen_eos:
         eos_id = gen_eos[0]
     eog = {i for i in [eos_id, *gen_eos] if i is not None}
-    for tid, tok in hf.get_added_tokens_decoder().items():
-        if tok.special and tok.content in EOG_TOKEN_TEXTS:
+    added = hf.get_added_tokens_decoder()
+    continuing = not_ending_generation({tok.content for tok in added.values() if tok.special})
+    for tid, tok in added.items():
+        if tok.special and tok.content in EOG_TOKEN_TEXTS and tok.content not in continuing:
             eog.add(tid)
 
     # The post-processor's own special tokens (BERT's [CLS] / [SEP]) are BOS / EOS when the config names none;
