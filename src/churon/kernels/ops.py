@@ -246,6 +246,26 @@ def _gated(kernel, gate_up: torch.Tensor, out: torch.Tensor | None) -> torch.Ten
     return out
 
 
+def moe_experts(experts, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """An MoE layer's routed experts (experts: a churon._cpu.MoeExperts) on h [tokens, hidden] float32: out[t] = the
+    sum over r, in rank order, of weights[t, r] * down_e(swiglu(gate_up_e(h[t]))), e = ids[t, r]; ids int64 and
+    weights float32 [tokens, k]. An expert id outside [0, experts.num_experts) raises IndexError."""
+    _check(h, "h")
+    _check(ids, "ids", torch.int64)
+    _check(weights, "weights")
+    if h.dim() != 2 or h.shape[1] != experts.hidden:
+        raise ValueError(f"h must be [tokens, {experts.hidden}] (the experts' hidden size), got {tuple(h.shape)}")
+    if ids.dim() != 2 or ids.shape[0] != h.shape[0] or ids.shape[1] < 1:
+        raise ValueError(f"ids must be [{h.shape[0]}, k] (a row of k >= 1 expert ids per token of h), got "
+                         f"{tuple(ids.shape)}")
+    if tuple(weights.shape) != tuple(ids.shape):
+        raise ValueError(f"weights must have the shape of ids {tuple(ids.shape)}, got {tuple(weights.shape)}")
+    out = _out(out, tuple(h.shape))
+    experts.forward(h.data_ptr(), h.shape[0], ids.data_ptr(), weights.data_ptr(), ids.shape[1], out.data_ptr())
+    return out
+
+
 def softmax(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     _check(x, "x")
     n = x.shape[-1]
