@@ -71,17 +71,19 @@ ROUTINGS = {
 }
 
 
+@pytest.mark.parametrize("normalize", [False, True], ids=["weights", "normalize"])
 @pytest.mark.parametrize("n_threads", [1, 2])
 @pytest.mark.parametrize("case", list(ROUTINGS))
-def test_the_native_op_equals_the_experts_one_by_one_bitwise(backend, experts, case, n_threads, threads):
+def test_the_native_op_equals_the_experts_one_by_one_bitwise(backend, experts, case, n_threads, normalize, threads):
+    """normalize: the raw top-k probabilities, renormalized inside (as torch divides by their rank-ordered sum)."""
     threads(n_threads)
     tokens, k, pool = ROUTINGS[case]
-    chosen, weights = routing(tokens, k, seed=tokens + k)
-    if case == "some-unused":
-        chosen, weights = routing(tokens, k, seed=3, experts=pool)
+    chosen, weights = routing(tokens, k, seed=tokens + k, experts=pool)
+    if normalize:
+        weights = weights * torch.rand(tokens, 1, generator=torch.Generator().manual_seed(k)) * 0.9
     h = hidden_states(tokens, seed=tokens)
-    out = backend.moe_experts(experts, h, chosen, weights)
-    assert torch.equal(out, experts_one_by_one(backend, experts, h, chosen, weights))
+    out = backend.moe_experts(experts, h, chosen, weights, normalize)
+    assert torch.equal(out, experts_one_by_one(backend, experts, h, chosen, weights, normalize))
     assert torch.isfinite(out).all()
 
 

@@ -111,11 +111,13 @@ class Backend(Protocol):
 
     def experts(self, gate_up: list[RawWeight], down: list[RawWeight]) -> Experts: ...  # an MoE layer's experts
 
-    def moe_experts(self, experts: Experts, h: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """The routed experts' output for h [tokens, hidden]: out[t] = sum over r of weights[t, r] *
+    def moe_experts(self, experts: Experts, h: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
+                    normalize: bool = False) -> torch.Tensor:
+        """The routed experts' output for h [tokens, hidden]: out[t] = sum over r of w[t, r] *
         down_e(swiglu(gate_up_e(h[t]))), e = chosen[t, r], the k terms (chosen int64 and weights float32, [tokens, k])
-        each rounded to h's dtype, then added in rank order. What experts_one_by_one computes; on the native backend
-        bitwise, a token's result independent of the batch and of the thread count."""
+        each rounded to h's dtype, then added in rank order; w = weights, or with normalize weights[t] divided by
+        their sum (added in rank order). What experts_one_by_one computes; on the native backend bitwise, a token's
+        result independent of the batch and of the thread count."""
         ...
 
     def geglu(self, gate_up: torch.Tensor) -> torch.Tensor: ...  # gelu_tanh(gate) * up (Gemma's MLP)
@@ -142,10 +144,12 @@ class Backend(Protocol):
         ...
 
 
-def experts_one_by_one(b: Backend, experts: Experts, h: torch.Tensor, chosen: torch.Tensor,
-                       weights: torch.Tensor) -> torch.Tensor:
+def experts_one_by_one(b: Backend, experts: Experts, h: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
+                       normalize: bool = False) -> torch.Tensor:
     """Backend.moe_experts through b's linear and swiglu, one expert at a time over the tokens that chose it (the
     reference backend's moe_experts, and what the native kernel must equal bit for bit)."""
+    if normalize:
+        weights = weights / sum_columns(weights)[:, None]
     per_rank = torch.zeros(h.shape[0], chosen.shape[1], h.shape[1], dtype=h.dtype)
     for e in chosen.unique().tolist():
         tokens, ranks = (chosen == e).nonzero(as_tuple=True)

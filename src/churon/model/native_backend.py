@@ -140,11 +140,12 @@ class NativeBackend:
         gate_up, down = [self.matrix(w) for w in gate_up], [self.matrix(w) for w in down]
         return Experts(gate_up, down, kernel=self.cpu.MoeExperts(gate_up, down))
 
-    def moe_experts(self, experts: Experts, h: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def moe_experts(self, experts: Experts, h: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
+                    normalize: bool = False) -> torch.Tensor:
         """One call for all the experts (churon._cpu.MoeExperts): the tokens grouped by expert, each token's row
-        quantized once, every phase's work over all experts in one parallel dispatch; bitwise what
-        experts_one_by_one gives on this backend."""
-        return ops.moe_experts(experts.kernel, h.contiguous(), chosen.contiguous(), weights.contiguous())
+        quantized once, every phase's work over all experts in one parallel dispatch, the renormalization in the
+        same call; bitwise what experts_one_by_one gives on this backend."""
+        return ops.moe_experts(experts.kernel, h.contiguous(), chosen.contiguous(), weights.contiguous(), normalize)
 
     def geglu(self, gate_up: torch.Tensor) -> torch.Tensor:
         n = gate_up.shape[-1] // 2

@@ -101,8 +101,9 @@ class ReferenceBackend:
     def experts(self, gate_up: list[RawWeight], down: list[RawWeight]) -> Experts:
         return Experts([self.matrix(w) for w in gate_up], [self.matrix(w) for w in down])
 
-    def moe_experts(self, experts: Experts, h: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        return experts_one_by_one(self, experts, h, chosen, weights)
+    def moe_experts(self, experts: Experts, h: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
+                    normalize: bool = False) -> torch.Tensor:
+        return experts_one_by_one(self, experts, h, chosen, weights, normalize)
 
     def geglu(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)

@@ -142,10 +142,11 @@ PYBIND11_MODULE(_cpu, m) {
       .def_property_readonly("hidden", &MoeExperts::hidden)
       .def_property_readonly("ffn", &MoeExperts::ffn)
       .def("forward", &MoeExperts::forward, py::arg("h_ptr"), py::arg("tokens"), py::arg("ids_ptr"),
-           py::arg("weights_ptr"), py::arg("k"), py::arg("out_ptr"),
-           "out[t] = sum over r < k, in rank order, of weights[t, r] * down_e(swiglu(gate_up_e(h[t]))), e ="
+           py::arg("weights_ptr"), py::arg("k"), py::arg("out_ptr"), py::arg("normalize") = false,
+           "out[t] = sum over r < k, in rank order, of w[t, r] * down_e(swiglu(gate_up_e(h[t]))), e ="
            " ids[t, r]: h float32 [tokens, hidden], ids int64 [tokens, k], weights float32 [tokens, k], out"
-           " float32 [tokens, hidden], C-contiguous. Bitwise what each expert's matmul, swiglu and the float32"
+           " float32 [tokens, hidden], C-contiguous; w = weights, or normalize: weights[t, r] divided by the"
+           " sum of weights[t] added in rank order. Bitwise what each expert's matmul, swiglu and the float32"
            " products and sums give one expert at a time, whatever the batch and the thread count. An id"
            " outside [0, num_experts) raises IndexError.");
 }

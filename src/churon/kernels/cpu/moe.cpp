@@ -84,7 +84,7 @@ MoeExperts::MoeExperts(const std::vector<const QMatrix*>& gate_up, const std::ve
 }
 
 void MoeExperts::forward(uintptr_t hp, int64_t tokens, uintptr_t idsp, uintptr_t weightsp, int64_t k,
-                         uintptr_t outp) const {
+                         uintptr_t outp, bool normalize) const {
   if (tokens < 0) throw std::invalid_argument("moe_experts: tokens must be >= 0, got " + std::to_string(tokens));
   if (k < 1) throw std::invalid_argument("moe_experts: k must be >= 1, got " + std::to_string(k));
   if (tokens == 0) return;
@@ -149,16 +149,23 @@ void MoeExperts::forward(uintptr_t hp, int64_t tokens, uintptr_t idsp, uintptr_t
   float* y = floats(g_down, pairs * hidden);
   experts_gemm(kt_, down_, mid_act, mid, ffn, y);
 
-  // each token's weighted terms summed in rank order, every product rounded before its sum
+  // each token's weighted terms summed in rank order, every product rounded before its sum; normalize:
+  // the weights first divided by their own sum, added in rank order too
   rows_op(tokens, k * hidden, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
+      const float* wt = wts + t * k;
+      float sum = 1.0f;
+      if (normalize) {
+        sum = wt[0];
+        for (int64_t r = 1; r < k; ++r) sum = sum + wt[r];
+      }
       float* o = out + t * hidden;
       const float* y0 = y + pos[t * k] * hidden;
-      const float w0 = wts[t * k];
+      const float w0 = normalize ? wt[0] / sum : wt[0];
       for (int64_t c = 0; c < hidden; ++c) o[c] = y0[c] * w0;
       for (int64_t r = 1; r < k; ++r) {
         const float* yr = y + pos[t * k + r] * hidden;
-        const float wr = wts[t * k + r];
+        const float wr = normalize ? wt[r] / sum : wt[r];
         for (int64_t c = 0; c < hidden; ++c) o[c] = o[c] + yr[c] * wr;
       }
     }

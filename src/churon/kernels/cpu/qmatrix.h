@@ -46,9 +46,11 @@ class QMatrix {
 // borrowed: they must outlive this object (the Python binding keeps them alive).
 //
 // forward: for each token t, out[t] = sum over r < k, in rank order, of
-// weights[t, r] * down_e(swiglu(gate_up_e(h[t]))), e = ids[t, r]; each product rounded, then the
+// w[t, r] * down_e(swiglu(gate_up_e(h[t]))), e = ids[t, r]; each product rounded, then the
 // sum ((p0 + p1) + p2) + ... : bitwise what QMatrix::matmul, swiglu and float32 products and sums
 // give one expert at a time, whatever the batch, the thread count or who else shares an expert.
+// w = weights, or with normalize weights[t, r] / (((weights[t, 0] + weights[t, 1]) + ...)
+// (the families that renormalize their top k: torch's float32 division by the rank-ordered sum).
 // The (token, rank) pairs are grouped by expert; a token's activation row is quantized once for
 // all of its experts; each phase (gate_up, swiglu, down) runs all the experts' work in one
 // parallel_for.
@@ -62,7 +64,8 @@ class MoeExperts {
 
   // h float32 [tokens, hidden], ids int64 [tokens, k], weights float32 [tokens, k],
   // out float32 [tokens, hidden]; all C-contiguous
-  void forward(uintptr_t hp, int64_t tokens, uintptr_t idsp, uintptr_t weightsp, int64_t k, uintptr_t outp) const;
+  void forward(uintptr_t hp, int64_t tokens, uintptr_t idsp, uintptr_t weightsp, int64_t k, uintptr_t outp,
+               bool normalize) const;
 
  private:
   std::vector<const QMatrix*> gate_up_, down_;
