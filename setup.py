@@ -23,7 +23,7 @@ KERNEL_SOURCE = os.path.join(CPU_DIR, "kernels.cpp")
 KERNEL_HEADERS = [os.path.join(CPU_DIR, h) for h in ("common.h", "simd.h", "matmul_avx512.inc", "matmul_avx2.inc",
                                                     "matmul_scalar.inc", "attention_avx512.inc", "lora.inc")]
 # compiled once, with COMMON_FLAGS only
-MODULE_SOURCES = [os.path.join(CPU_DIR, f) for f in ("module.cpp", "isa.cpp", "repack.cpp", "qmatrix.cpp",
+MODULE_SOURCES = [os.path.join(CPU_DIR, f) for f in ("module.cpp", "isa.cpp", "repack.cpp", "qmatrix.cpp", "moe.cpp",
                                                     "ops.cpp", "lora.cpp", "threadpool.cpp")]
 MODULE_HEADERS = [os.path.join(CPU_DIR, h) for h in ("common.h", "driver.h", "isa.h", "ops.h", "qmatrix.h",
                                                     "repack.h", "threadpool.h")]

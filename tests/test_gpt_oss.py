@@ -24,7 +24,7 @@ from churon.model.rope import rope_inv_freq, rope_tables
 from churon.tokenizer import load_tokenizer
 from test_bad_input import assert_edited_gguf_is_a_model_file_error
 from test_model_reference import compare_prefill_and_decode
-from tiny_models import GPT_OSS_YARN, HEAD_DIM, MAX_POSITIONS, N_EXPERTS, make_hf_model, reference_model, write_gguf
+from tiny_models import GPT_OSS_YARN, N_EXPERTS, make_hf_model, reference_model, write_gguf
 
 T = gguf.GGUFValueType
 
@@ -386,13 +386,13 @@ def test_the_release_s_mxfp4_checkpoint_layout_matches_transformers_dequantizati
                 getattr(layer.mlp.experts, proj).copy_(convert_moe_packed_tensors(
                     tensors[prefix + "_blocks"], tensors[prefix + "_scales"], dtype=torch.float32))
     transformer, _, _ = load_model(release_layout, kernels="reference")
-    assert all(w.dtype == torch.float32 for w in transformer.layers[0].experts_down)
+    assert all(w.dtype == torch.float32 for w in transformer.layers[0].experts.down)
     raw = open_model(release_layout).load_weights()["layers.0.mlp.experts.up_proj.weight"]
     assert raw.qtype == gguf.GGMLQuantizationType.MXFP4 and raw.shape == (N_EXPERTS, 32, 64)
     compare_prefill_and_decode(release_layout, reference)
     if kernels.native_available():  # the native path reads them as Q8_0 blocks of the same values
         native, _, _ = load_model(release_layout, kernels="native")
-        assert native.layers[0].experts_gate_up[0].qtype == int(gguf.GGMLQuantizationType.Q8_0)
+        assert native.layers[0].experts.gate_up[0].qtype == int(gguf.GGMLQuantizationType.Q8_0)
 
 
 def test_mxfp4_blocks_without_their_scales_are_named(release_layout, tmp_path):

@@ -76,11 +76,11 @@ def test_native_gpt_oss_mxfp4_experts_run_as_q8_0(tmp_path):
     native, _, _ = load_model(path, kernels="native")
     reference, _, _ = load_model(path, kernels="reference")
     layer = native.layers[0]
-    assert {m.qtype for m in layer.experts_gate_up + layer.experts_down} == {int(GGMLQuantizationType.Q8_0)}
-    want = reference.layers[0].experts_down[3]  # float32, dequantized from the MXFP4 bytes
+    assert {m.qtype for m in layer.experts.gate_up + layer.experts.down} == {int(GGMLQuantizationType.Q8_0)}
+    want = reference.layers[0].experts.down[3]  # float32, dequantized from the MXFP4 bytes
     got = torch.empty(want.shape)
     ids = torch.arange(want.shape[0])
-    layer.experts_down[3].dequantize_rows(ids.data_ptr(), ids.shape[0], got.data_ptr())
+    layer.experts.down[3].dequantize_rows(ids.data_ptr(), ids.shape[0], got.data_ptr())
     assert torch.equal(got, want)
     assert_native_close(path, MOE_QUANTIZED_TOLERANCE)
     model = native

@@ -246,6 +246,35 @@ def _gated(kernel, gate_up: torch.Tensor, out: torch.Tensor | None) -> torch.Ten
     return out
 
 
+def moe_experts(experts, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, normalize: bool = False,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """An MoE layer's routed experts (experts: a churon._cpu.MoeExperts) on h [tokens, hidden] float32: out[t] = the
+    sum over r, in rank order, of w[t, r] * down_e(swiglu(gate_up_e(h[t]))), e = ids[t, r]; ids int64 and weights
+    float32 [tokens, k], all contiguous; w = weights, or with normalize weights[t] / their rank-ordered sum. An
+    expert id outside [0, experts.num_experts) raises IndexError. The checks are one expression (this runs once a
+    layer and step); only a failing call works out which argument is wrong."""
+    tokens, k = ids.shape[0], ids.shape[-1]
+    f32 = torch.float32
+    if not (h.dtype is f32 and weights.dtype is f32 and ids.dtype is torch.int64 and h.is_cpu and ids.is_cpu
+            and weights.is_cpu and h.shape == (tokens, experts.hidden) and ids.shape == (tokens, k) and k >= 1
+            and weights.shape == ids.shape and h.is_contiguous() and ids.is_contiguous() and weights.is_contiguous()):
+        _moe_argument_error(experts, h, ids, weights)
+    out = torch.empty(tokens, experts.hidden) if out is None else _out(out, (tokens, experts.hidden))
+    experts.forward(h.data_ptr(), tokens, ids.data_ptr(), weights.data_ptr(), k, out.data_ptr(), normalize)
+    return out
+
+
+def _moe_argument_error(experts, h, ids, weights):
+    for t, name, dtype in ((h, "h", torch.float32), (ids, "ids", torch.int64), (weights, "weights", torch.float32)):
+        _check(t, name, dtype)
+    if h.dim() != 2 or h.shape[1] != experts.hidden:
+        raise ValueError(f"h must be [tokens, {experts.hidden}] (the experts' hidden size), got {tuple(h.shape)}")
+    if ids.dim() != 2 or ids.shape[0] != h.shape[0] or ids.shape[1] < 1:
+        raise ValueError(f"ids must be [{h.shape[0]}, k] (a row of k >= 1 expert ids per token of h), got "
+                         f"{tuple(ids.shape)}")
+    raise ValueError(f"weights must have the shape of ids {tuple(ids.shape)}, got {tuple(weights.shape)}")
+
+
 def softmax(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     _check(x, "x")
     n = x.shape[-1]

@@ -12,6 +12,7 @@ that memory (churon.engine.kv_cache) and passes it in with every step.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Protocol, Sequence
 
 import torch
@@ -43,6 +44,22 @@ class SequenceCache(KVCache, Protocol):
 
     max_tokens: int
     block_table: list[int]
+
+
+@dataclass
+class Experts:
+    """An MoE layer's routed experts as a backend holds them (Backend.experts): expert e's gate and up projections
+    stacked by rows, gate_up[e] [2 * ffn, hidden], and its down projection, down[e] [hidden, ffn], each made by the
+    backend's matrix(); kernel: what the backend's moe_experts runs them with, beside the matrices (the native
+    backend's churon._cpu.MoeExperts), or None."""
+
+    gate_up: list[Any]
+    down: list[Any]
+    kernel: Any = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(w.nbytes for w in (*self.gate_up, *self.down))
 
 
 class Backend(Protocol):
@@ -94,6 +111,17 @@ class Backend(Protocol):
 
     def swiglu(self, gate_up: torch.Tensor) -> torch.Tensor: ...  # silu(gate) * up, gate the first half's columns
 
+    def experts(self, gate_up: list[RawWeight], down: list[RawWeight]) -> Experts: ...  # an MoE layer's experts
+
+    def moe_experts(self, experts: Experts, h: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
+                    normalize: bool = False) -> torch.Tensor:
+        """The routed experts' output for h [tokens, hidden]: out[t] = sum over r of w[t, r] *
+        down_e(swiglu(gate_up_e(h[t]))), e = chosen[t, r], the k terms (chosen int64 and weights float32, [tokens, k])
+        each rounded to h's dtype, then added in rank order; w = weights, or with normalize weights[t] divided by
+        their sum (added in rank order). What experts_one_by_one computes; on the native backend bitwise, a token's
+        result independent of the batch and of the thread count."""
+        ...
+
     def geglu(self, gate_up: torch.Tensor) -> torch.Tensor: ...  # gelu_tanh(gate) * up (Gemma's MLP)
 
     # gpt-oss's experts: gate clamped to at most limit, up to [-limit, limit], (up + 1) * gate * sigmoid(alpha * gate)
@@ -119,3 +147,26 @@ class Backend(Protocol):
         scales float32 [tokens] (the request's lora_scale). A token's result depends only on its own row and
         adapter (the native backend: bitwise, whatever else is in the batch)."""
         ...
+
+
+def experts_one_by_one(b: Backend, experts: Experts, h: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
+                       normalize: bool = False) -> torch.Tensor:
+    """Backend.moe_experts through b's linear and swiglu, one expert at a time over the tokens that chose it (the
+    reference backend's moe_experts, and what the native kernel must equal bit for bit)."""
+    if normalize:
+        weights = weights / sum_columns(weights)[:, None]
+    per_rank = torch.zeros(h.shape[0], chosen.shape[1], h.shape[1], dtype=h.dtype)
+    for e in chosen.unique().tolist():
+        tokens, ranks = (chosen == e).nonzero(as_tuple=True)
+        y = b.linear(experts.down[e], b.swiglu(b.linear(experts.gate_up[e], h[tokens])))
+        per_rank[tokens, ranks] = y * weights[tokens, ranks, None].to(y.dtype)
+    return sum_columns(per_rank)
+
+
+def sum_columns(x: torch.Tensor) -> torch.Tensor:
+    """x[:, 0] + x[:, 1] + ... in that order: a token's sum of its k terms is the same bits whatever the batch (a
+    reduction kernel's order may follow the tensor's shape)."""
+    out = x[:, 0].clone()
+    for i in range(1, x.shape[1]):
+        out += x[:, i]
+    return out

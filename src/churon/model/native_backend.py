@@ -15,7 +15,7 @@ from churon import kernels
 from churon.kernels import ops
 from churon.formats.gguf import GGUFTensor
 from churon.formats.quants import mxfp4_as_q8_0
-from churon.model.backend import KVCache
+from churon.model.backend import Experts, KVCache
 from churon.model.batch import ForwardBatch
 from churon.model.weights import RawWeight, dense
 
@@ -141,6 +141,17 @@ class NativeBackend:
         out = torch.empty(gate_up.shape[0], n)
         self.cpu.swiglu(gate_up.data_ptr(), out.data_ptr(), gate_up.shape[0], n)
         return out
+
+    def experts(self, gate_up: list[RawWeight], down: list[RawWeight]) -> Experts:
+        gate_up, down = [self.matrix(w) for w in gate_up], [self.matrix(w) for w in down]
+        return Experts(gate_up, down, kernel=self.cpu.MoeExperts(gate_up, down))
+
+    def moe_experts(self, experts: Experts, h: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
+                    normalize: bool = False) -> torch.Tensor:
+        """One call for all the experts (churon._cpu.MoeExperts): the tokens grouped by expert, each token's row
+        quantized once, every phase's work over all experts in one parallel dispatch, the renormalization in the
+        same call; bitwise what experts_one_by_one gives on this backend."""
+        return ops.moe_experts(experts.kernel, h.contiguous(), chosen.contiguous(), weights.contiguous(), normalize)
 
     def geglu(self, gate_up: torch.Tensor) -> torch.Tensor:
         n = gate_up.shape[-1] // 2

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from churon.kernels.ops import check_seq_starts
-from churon.model.backend import KVCache
+from churon.model.backend import Experts, KVCache, experts_one_by_one
 from churon.model.batch import ForwardBatch, slots_of
 from churon.model.weights import RawWeight, dense
 
@@ -97,6 +97,13 @@ class ReferenceBackend:
     def swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+    def experts(self, gate_up: list[RawWeight], down: list[RawWeight]) -> Experts:
+        return Experts([self.matrix(w) for w in gate_up], [self.matrix(w) for w in down])
+
+    def moe_experts(self, experts: Experts, h: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
+                    normalize: bool = False) -> torch.Tensor:
+        return experts_one_by_one(self, experts, h, chosen, weights, normalize)
 
     def geglu(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from churon.config import ModelConfig
-from churon.model.backend import Backend, KVCache, SequenceCache
+from churon.model.backend import Backend, KVCache, SequenceCache, sum_columns
 from churon.model.batch import ForwardBatch, SequenceChunk
 from churon.model.lora import LoraSlots
 from churon.model.reference_backend import ReferenceBackend
@@ -118,10 +118,10 @@ class LayerWeights:
     window: int = 0  # how many positions back the attention sees, the query's own included (0: all)
     attn_out_norm: Any | None = None  # Gemma: the norms on the attention's and the MLP's outputs
     mlp_out_norm: Any | None = None
-    # an MoE layer: the router [experts, hidden] and each expert's gate/up and down as matrices of their own
+    # an MoE layer: the router [experts, hidden] and the experts (backend.Experts: each one's gate/up and down as
+    # matrices of their own)
     router: Any | None = None
-    experts_gate_up: list[Any] | None = None
-    experts_down: list[Any] | None = None
+    experts: Any | None = None
     shared_gate_up: Any | None = None  # Qwen2-MoE's shared expert and its gate [1, hidden]
     shared_down: Any | None = None
     shared_gate: Any | None = None
@@ -173,8 +173,7 @@ def _moe_weights(config: ModelConfig, m: str, weights: dict[str, RawWeight], bac
     gate and up stacked by rows), so a step runs an expert's matmuls over just its tokens, on the bytes as stored."""
     gates, ups, downs = (experts(weights[m + f"experts.{x}_proj.weight"]) for x in ("gate", "up", "down"))
     out = {"router": backend.matrix(weights[m + "gate.weight"]),
-           "experts_gate_up": [backend.matrix(concat_rows([g, u])) for g, u in zip(gates, ups)],
-           "experts_down": [backend.matrix(d) for d in downs]}
+           "experts": backend.experts([concat_rows([g, u]) for g, u in zip(gates, ups)], downs)}
     if config.router_bias:
         out["router_bias"] = backend.vector(weights[m + "gate.bias"])
     if config.expert_form == "clamped_swiglu":
@@ -223,10 +222,9 @@ class Transformer:
     def weight_bytes(self) -> int:
         objects = {id(self.embed_tokens): self.embed_tokens, id(self.lm_head): self.lm_head, id(self.norm): self.norm}
         for layer in self.layers:
-            for value in vars(layer).values():
-                for w in value if isinstance(value, list) else [value]:  # an MoE layer's experts come as lists
-                    if hasattr(w, "nbytes"):  # weights, not the layer's window
-                        objects[id(w)] = w
+            for w in vars(layer).values():
+                if hasattr(w, "nbytes"):  # weights (an MoE layer's Experts: all of theirs), not the layer's window
+                    objects[id(w)] = w
         return sum(w.nbytes for w in objects.values())  # torch tensors and native matrices alike
 
     def __call__(self, tokens: torch.Tensor, start: int, cache: SequenceCache, all_logits: bool = False,
@@ -347,9 +345,10 @@ class DecoderBlock:
         """The routed MLP of h [tokens, hidden]: each token's top-k experts' SwiGLU outputs, weighted by the router's
         probabilities, summed in the order of the token's own ranking (plus the shared expert's, gated).
 
-        The step's tokens are grouped by expert, and each expert's two matmuls run once over its tokens; on the native
-        kernels a row's result does not depend on the other rows, and the routing below is row by row (softmax and
-        top-k along each row, then elementwise products and sums), so a token's bits do not depend on its batch."""
+        The experts run in backend.moe_experts (each one's matmuls once over its tokens; on the native kernels one call
+        per layer); on the native kernels a row's result does not depend on the other rows, and the routing below is
+        row by row (softmax and top-k along each row, then elementwise products and sums), so a token's bits do not
+        depend on its batch."""
         b, c = self.backend, self.config
         logits = b.linear(layer.router, h, layer.router_bias).float()
         if c.router_topk_first:  # gpt-oss: the k largest logits, then a softmax over just those
@@ -357,14 +356,19 @@ class DecoderBlock:
             weights = torch.softmax(weights, dim=-1)
         else:
             weights, chosen = torch.topk(torch.softmax(logits, dim=-1), c.num_experts_per_tok, dim=-1)  # best first
-        if c.norm_topk_prob:
-            weights = weights / _sum_columns(weights)[:, None]
-        per_rank = torch.zeros(h.shape[0], c.num_experts_per_tok, c.hidden_size, dtype=h.dtype)
-        for e in chosen.unique().tolist():
-            tokens, ranks = (chosen == e).nonzero(as_tuple=True)
-            y = self.expert(layer, e, h[tokens])
-            per_rank[tokens, ranks] = y * weights[tokens, ranks, None].to(y.dtype)
-        out = _sum_columns(per_rank)
+        if c.expert_form == "clamped_swiglu":  # gpt-oss's experts, with biases: one expert at a time
+            if c.norm_topk_prob:
+                weights = weights / sum_columns(weights)[:, None]
+            per_rank = torch.zeros(h.shape[0], c.num_experts_per_tok, c.hidden_size, dtype=h.dtype)
+            for e in chosen.unique().tolist():
+                tokens, ranks = (chosen == e).nonzero(as_tuple=True)
+                y = self.clamped_expert(layer, e, h[tokens])
+                per_rank[tokens, ranks] = y * weights[tokens, ranks, None].to(y.dtype)
+            out = sum_columns(per_rank)
+        else:
+            # norm_topk_prob: the k weights renormalized to sum to 1, inside moe_experts (on the native backend a
+            # handful of small torch ops a layer fewer)
+            out = b.moe_experts(layer.experts, h, chosen, weights, normalize=c.norm_topk_prob)
         if layer.shared_gate_up is not None:
             shared = b.linear(layer.shared_down, b.swiglu(b.linear(layer.shared_gate_up, h)))
             logit = b.linear(layer.shared_gate, h).float()
@@ -374,14 +378,12 @@ class DecoderBlock:
             out += gate.to(shared.dtype) * shared
         return out
 
-    def expert(self, layer: LayerWeights, e: int, x: torch.Tensor) -> torch.Tensor:
-        """Expert e's MLP of its tokens' rows x: SwiGLU, or gpt-oss's clamped SwiGLU with its biases."""
+    def clamped_expert(self, layer: LayerWeights, e: int, x: torch.Tensor) -> torch.Tensor:
+        """gpt-oss's expert e on its tokens' rows x: the clamped SwiGLU, with its biases."""
         b, c = self.backend, self.config
-        if c.expert_form == "clamped_swiglu":
-            gate_up = b.linear(layer.experts_gate_up[e], x, layer.experts_gate_up_bias[e])
-            return b.linear(layer.experts_down[e], b.swiglu_clamped(gate_up, c.swiglu_alpha, c.swiglu_limit),
-                            layer.experts_down_bias[e])
-        return b.linear(layer.experts_down[e], b.swiglu(b.linear(layer.experts_gate_up[e], x)))
+        gate_up = b.linear(layer.experts.gate_up[e], x, layer.experts_gate_up_bias[e])
+        return b.linear(layer.experts.down[e], b.swiglu_clamped(gate_up, c.swiglu_alpha, c.swiglu_limit),
+                        layer.experts_down_bias[e])
 
     def add_lora(self, lora: dict[str, Any], matrix: str, y: torch.Tensor, x: torch.Tensor,
                  batch: ForwardBatch) -> None:
@@ -391,11 +393,3 @@ class DecoderBlock:
         if stack is not None:
             self.backend.add_lora(y, x, stack, batch.lora_slots, batch.lora_scales)
 
-
-def _sum_columns(x: torch.Tensor) -> torch.Tensor:
-    """x[:, 0] + x[:, 1] + ... in that order: a token's sum of its k terms is the same bits whatever the batch (a
-    reduction kernel's order may follow the tensor's shape)."""
-    out = x[:, 0].clone()
-    for i in range(1, x.shape[1]):
-        out += x[:, i]
-    return out

@@ -132,4 +132,21 @@ PYBIND11_MODULE(_cpu, m) {
            "bfloat16 [rows, cols] (round to nearest even).")
       .def("dequantize_rows", &QMatrix::dequantize_rows, py::arg("ids_ptr"), py::arg("n"), py::arg("out_ptr"),
            "out[n, cols] = the dequantized rows ids[n] (int64): an embedding lookup.");
+
+  py::class_<MoeExperts>(m, "MoeExperts")
+      .def(py::init<const std::vector<const QMatrix*>&, const std::vector<const QMatrix*>&>(), py::arg("gate_up"),
+           py::arg("down"), py::keep_alive<1, 2>(), py::keep_alive<1, 3>(),
+           "An MoE layer's routed experts: gate_up[e] [2 ffn, hidden] (gate rows, then up rows) and down[e]"
+           " [hidden, ffn] QMatrix per expert, all experts of one shape (the lists are kept alive).")
+      .def_property_readonly("num_experts", &MoeExperts::num_experts)
+      .def_property_readonly("hidden", &MoeExperts::hidden)
+      .def_property_readonly("ffn", &MoeExperts::ffn)
+      .def("forward", &MoeExperts::forward, py::arg("h_ptr"), py::arg("tokens"), py::arg("ids_ptr"),
+           py::arg("weights_ptr"), py::arg("k"), py::arg("out_ptr"), py::arg("normalize") = false,
+           "out[t] = sum over r < k, in rank order, of w[t, r] * down_e(swiglu(gate_up_e(h[t]))), e ="
+           " ids[t, r]: h float32 [tokens, hidden], ids int64 [tokens, k], weights float32 [tokens, k], out"
+           " float32 [tokens, hidden], C-contiguous; w = weights, or normalize: weights[t, r] divided by the"
+           " sum of weights[t] added in rank order. Bitwise what each expert's matmul, swiglu and the float32"
+           " products and sums give one expert at a time, whatever the batch and the thread count. An id"
+           " outside [0, num_experts) raises IndexError.");
 }

@@ -16,16 +16,6 @@
 namespace churon {
 namespace {
 
-constexpr int64_t kParallelElems = 1 << 15;  // below this, a row op runs on the caller only
-
-template <class F>
-void rows_op(int64_t m, int64_t n, F&& f) {
-  if (m * n >= kParallelElems && m > 1)
-    parallel_for(m, chunk_for(m), [&](int64_t b, int64_t e, int) { f(b, e); });
-  else
-    f(0, m);
-}
-
 int kv_dtype_of(const std::string& name, const char* what) {
   if (name == "float32") return kKvF32;
   if (name == "float16") return kKvF16;

@@ -15,43 +15,8 @@
 namespace churon {
 namespace {
 
-// Row groups per claim in matmul: ~11 KB of a 576-column Q4_1 matrix. (Measured: 1, 2, 4 and
-// 8 are equal within noise; software prefetching in the matmul loop was slower.)
-constexpr int64_t kMatmulGrain = 2;
-
 // scratch for quantized activations and the precise path (calls are serialized by the GIL)
 Buffer g_act_buf, g_precise_buf;
-
-ActQ make_act(int64_t m, int64_t cols) {
-  ActQ a;
-  a.m = m;
-  a.cols = cols;
-  a.nb = cols / kActBlock;
-  const size_t q_bytes = size_t(m * cols + 63) / 64 * 64;
-  const size_t nbm = size_t(m * a.nb);
-  const size_t f_bytes = (nbm * 4 + 63) / 64 * 64;
-  g_act_buf.reserve(q_bytes + 3 * f_bytes + 2 * f_bytes);
-  uint8_t* p = g_act_buf.p;
-  a.q = reinterpret_cast<int8_t*>(p);
-  p += q_bytes;
-  a.d = reinterpret_cast<float*>(p);
-  p += f_bytes;
-  a.s = reinterpret_cast<float*>(p);
-  p += f_bytes;
-  a.sum32 = reinterpret_cast<int32_t*>(p);
-  p += f_bytes;
-  a.sum16 = reinterpret_cast<int32_t*>(p);
-  return a;
-}
-
-// quantize activation rows [0, m) of x into a (in parallel when there are many)
-void quantize_rows(const KernelTable* k, const float* x, int64_t m, const ActQ& a) {
-  if (m * a.cols >= (1 << 16))
-    parallel_for(m, std::max<int64_t>(1, m / (8 * get_num_threads())),
-                 [&](int64_t b, int64_t e, int) { k->quantize_act(x, b, e, a); });
-  else
-    k->quantize_act(x, 0, m, a);
-}
 
 }  // namespace
 
@@ -123,7 +88,7 @@ void QMatrix::matmul(uintptr_t xp, uintptr_t yp, int64_t m, uintptr_t biasp, boo
   }
   const int64_t cols = w_.cols;
   const int64_t mq = precise ? 2 * m : m;  // precise: rows of hi parts, then rows of lo parts
-  ActQ a = make_act(mq, cols);
+  ActQ a = act_in(g_act_buf, mq, cols);
   quantize_rows(k, x, m, a);
   if (!precise) {
     parallel_for(ng, kMatmulGrain, [&](int64_t b, int64_t e, int) { k->gemm(w, a, x, m, y, bias, b, e); });
@@ -137,13 +102,7 @@ void QMatrix::matmul(uintptr_t xp, uintptr_t yp, int64_t m, uintptr_t biasp, boo
   for (int64_t i = 0; i < m; ++i)
     for (int64_t c = 0; c < cols; ++c)
       lo[i * cols + c] = x[i * cols + c] - float(a.q[i * cols + c]) * a.d[i * a.nb + c / kActBlock];
-  ActQ b = a;  // the view of rows m .. 2m - 1
-  b.m = m;
-  b.q += m * cols;
-  b.d += m * a.nb;
-  b.s += m * a.nb;
-  b.sum32 += m * a.nb;
-  b.sum16 += 2 * m * a.nb;
+  const ActQ b = act_rows(a, m, m);  // the view of rows m .. 2m - 1
   quantize_rows(k, lo, m, b);
   const int64_t rows = w_.rows, n = m * rows;
   parallel_for(ng, kMatmulGrain, [&](int64_t g0, int64_t g1, int) {

@@ -1,9 +1,11 @@
 // QMatrix: one weight matrix in the layout the kernels read (see common.h), and the parallel
-// drivers of its matmul and dequantization.
+// drivers of its matmul and dequantization; MoeExperts: an MoE layer's routed experts, run in one
+// call (moe.cpp).
 #pragma once
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "common.h"
 #include "driver.h"
@@ -23,6 +25,7 @@ class QMatrix {
   int64_t nbytes() const { return nbytes_; }
 
   bool quantized() const { return !(w_.qtype == kF32 || w_.qtype == kF16 || w_.qtype == kBF16); }
+  const QWeights& weights() const { return w_; }
 
   void matmul(uintptr_t xp, uintptr_t yp, int64_t m, uintptr_t biasp, bool precise);
   void dequantize(uintptr_t outp);
@@ -36,6 +39,37 @@ class QMatrix {
   Buffer buf_;
   std::string layout_;
   int64_t nbytes_ = 0;
+};
+
+// The routed experts of one MoE layer: expert e's gate and up projections stacked by rows
+// (gate_up[e], [2 ffn, hidden]) and its down projection (down[e], [hidden, ffn]). The matrices are
+// borrowed: they must outlive this object (the Python binding keeps them alive).
+//
+// forward: for each token t, out[t] = sum over r < k, in rank order, of
+// w[t, r] * down_e(swiglu(gate_up_e(h[t]))), e = ids[t, r]; each product rounded, then the
+// sum ((p0 + p1) + p2) + ... : bitwise what QMatrix::matmul, swiglu and float32 products and sums
+// give one expert at a time, whatever the batch, the thread count or who else shares an expert.
+// w = weights, or with normalize weights[t, r] / (((weights[t, 0] + weights[t, 1]) + ...)
+// (the families that renormalize their top k: torch's float32 division by the rank-ordered sum).
+// The (token, rank) pairs are grouped by expert; a token's activation row is quantized once for
+// all of its experts; each phase (gate_up, swiglu, down) runs all the experts' work in one
+// parallel_for.
+class MoeExperts {
+ public:
+  MoeExperts(const std::vector<const QMatrix*>& gate_up, const std::vector<const QMatrix*>& down);
+
+  int64_t num_experts() const { return int64_t(gate_up_.size()); }
+  int64_t hidden() const { return hidden_; }
+  int64_t ffn() const { return ffn_; }
+
+  // h float32 [tokens, hidden], ids int64 [tokens, k], weights float32 [tokens, k],
+  // out float32 [tokens, hidden]; all C-contiguous
+  void forward(uintptr_t hp, int64_t tokens, uintptr_t idsp, uintptr_t weightsp, int64_t k, uintptr_t outp,
+               bool normalize) const;
+
+ private:
+  std::vector<const QMatrix*> gate_up_, down_;
+  int64_t hidden_ = 0, ffn_ = 0;
 };
 
 }  // namespace churon
