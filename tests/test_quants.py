@@ -17,7 +17,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
 from churon.errors import ModelFileError, UnsupportedModelError
 from churon.formats import quants
-from churon.formats.quants import MXFP4_AS_Q8_0_EXPONENTS, SUPPORTED_TYPES, dequantize, mxfp4_as_q8_0
+from churon.formats.quants import MXFP4_AS_Q8_0_EXPONENTS, SUPPORTED_TYPES, as_q8_0, dequantize, mxfp4_as_q8_0
 
 FLOAT_TYPES = [T.F32, T.F16, T.BF16]
 BLOCK_TYPES = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.MXFP4, T.Q4_K, T.Q5_K, T.Q6_K]
@@ -209,3 +209,30 @@ def test_mxfp4_as_q8_0_is_lossless_where_every_scale_fits_an_fp16():
         beyond = raw.copy()
         beyond[5, 0] = e
         assert mxfp4_as_q8_0(beyond.reshape(-1)) is None
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q5_0, T.Q8_0])
+def test_small_integer_types_as_q8_0_hold_the_same_values(qtype):
+    """Q4_0 and Q5_0 blocks (every code, random fp16 scales) rewritten as Q8_0: the gguf package dequantizes both to
+    the same bits; so does churon; Q8_0 stays as it is."""
+    shape = (7, 768)
+    raw = random_block_bytes(qtype, shape)
+    q8 = as_q8_0(raw, qtype)
+    assert q8.size == 7 * 768 // 32 * 34
+    np.testing.assert_array_equal(reference(q8, T.Q8_0, shape), reference(raw, qtype, shape))
+    np.testing.assert_array_equal(dequantize(q8, T.Q8_0, shape).numpy(), dequantize(raw, qtype, shape).numpy())
+
+
+def test_mixed_small_integer_parts_fuse_as_q8_0_bytes():
+    """Gemma 3 Q4_K_M's q/k (Q5_0) and v (Q8_0) fuse into one Q8_0 matrix equal to the parts stacked; a K-quant
+    among them falls back to float32 (no lossless common layout)."""
+    from churon.formats.gguf import GGUFTensor
+    from churon.model.weights import concat_rows, dense
+
+    parts = [GGUFTensor(f"p{i}", (rows, 256), t, random_block_bytes(t, (rows, 256)))
+             for i, (t, rows) in enumerate([(T.Q5_0, 4), (T.Q4_0, 2), (T.Q8_0, 3)])]
+    fused = concat_rows(parts)
+    assert isinstance(fused, GGUFTensor) and fused.qtype == T.Q8_0 and fused.shape == (9, 256)
+    assert torch.equal(dense(fused), torch.cat([dense(p) for p in parts]))
+    k = GGUFTensor("k", (2, 256), T.Q4_K, random_block_bytes(T.Q4_K, (2, 256)))
+    assert isinstance(concat_rows([parts[0], k]), torch.Tensor)

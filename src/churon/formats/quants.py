@@ -69,12 +69,14 @@ def _q8_0(blocks: torch.Tensor, out: torch.Tensor) -> None:
     out.copy_(blocks[:, 2:].view(torch.int8)).mul_(d)
 
 
-def _q4_0(blocks: torch.Tensor, out: torch.Tensor) -> None:
+def _q4_0_ints(blocks: torch.Tensor) -> torch.Tensor:
     # block_q4_0, 18 bytes: d (fp16) | qs[16] (4-bit codes; value j in the low nibble of
-    # byte j, value j+16 in the high nibble).  x = (q - 8) * d
-    d = _f16(blocks, 0)
-    q = _nibbles(blocks[:, 2:].unsqueeze(1)).view(-1, 32).view(torch.int8).sub_(8)
-    out.copy_(q).mul_(d)
+    # byte j, value j+16 in the high nibble).  x = (q - 8) * d: these int8 (q - 8)
+    return _nibbles(blocks[:, 2:].unsqueeze(1)).view(-1, 32).view(torch.int8).sub_(8)
+
+
+def _q4_0(blocks: torch.Tensor, out: torch.Tensor) -> None:
+    out.copy_(_q4_0_ints(blocks)).mul_(_f16(blocks, 0))
 
 
 def _q4_1(blocks: torch.Tensor, out: torch.Tensor) -> None:
@@ -85,14 +87,33 @@ def _q4_1(blocks: torch.Tensor, out: torch.Tensor) -> None:
     out.copy_(q).mul_(d).add_(m)
 
 
-def _q5_0(blocks: torch.Tensor, out: torch.Tensor) -> None:
+def _q5_0_ints(blocks: torch.Tensor) -> torch.Tensor:
     # block_q5_0, 22 bytes: d (fp16) | qh[4] (bit j of this little-endian uint32 is the
-    # 5th bit of value j) | qs[16] (low 4 bits, packed as in q4_0).  x = (q - 16) * d
-    d = _f16(blocks, 0)
+    # 5th bit of value j) | qs[16] (low 4 bits, packed as in q4_0).  x = (q - 16) * d: these int8 (q - 16)
     q = _nibbles(blocks[:, 6:].unsqueeze(1)).view(-1, 32)
     qh = _fields(blocks[:, 2:6].unsqueeze(-1), 1).view(-1, 32)  # byte j//8, bit j%8
-    q.bitwise_or_(qh.bitwise_left_shift_(4)).view(torch.int8).sub_(16)
-    out.copy_(q.view(torch.int8)).mul_(d)
+    return q.bitwise_or_(qh.bitwise_left_shift_(4)).view(torch.int8).sub_(16)
+
+
+def _q5_0(blocks: torch.Tensor, out: torch.Tensor) -> None:
+    out.copy_(_q5_0_ints(blocks)).mul_(_f16(blocks, 0))
+
+
+# the types whose values are small integers times the block's fp16 scale, as Q8_0's are: each block rewrites as a
+# Q8_0 block of the same values (same scale, the integers as int8), so parts of these types fuse losslessly
+_Q8_0_INTS = {GGMLQuantizationType.Q4_0: _q4_0_ints, GGMLQuantizationType.Q5_0: _q5_0_ints}
+Q8_0_EXACT = frozenset(_Q8_0_INTS) | {GGMLQuantizationType.Q8_0}
+
+
+def as_q8_0(data: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
+    """Blocks of a Q8_0_EXACT type as Q8_0 blocks holding the same values (dequantizing either gives the same bits)."""
+    if qtype == GGMLQuantizationType.Q8_0:
+        return data
+    blocks = torch.from_numpy(np.ascontiguousarray(data).reshape(-1, GGML_QUANT_SIZES[qtype][1]))
+    out = torch.empty(blocks.shape[0], 34, dtype=torch.uint8)
+    out[:, :2] = blocks[:, :2]  # the fp16 scale, as it is
+    out[:, 2:] = _Q8_0_INTS[qtype](blocks).view(torch.uint8)
+    return out.numpy().reshape(-1)
 
 
 # E2M1 (the OCP microscaling FP4) values by 4-bit code, doubled as ggml stores them (its scale halves them back)

@@ -9,7 +9,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from churon.formats.gguf import GGUFTensor
-from churon.formats.quants import dequantize, quantize
+from churon.formats.quants import Q8_0_EXACT, as_q8_0, dequantize, quantize
 
 # A weight as a loader hands it over: GGUF bytes, or a float tensor (Hugging Face checkpoints).
 RawWeight = GGUFTensor | torch.Tensor
@@ -22,11 +22,18 @@ def dense(w: RawWeight) -> torch.Tensor:
 
 
 def concat_rows(parts: list[RawWeight]) -> RawWeight:
-    """Stack weights by rows (fusing q/k/v or gate/up), keeping GGUF bytes when all share a type."""
-    if all(isinstance(p, GGUFTensor) for p in parts) and len({p.qtype for p in parts}) == 1:
-        rows = sum(p.shape[0] for p in parts)
-        data = np.concatenate([p.data for p in parts])
-        return GGUFTensor("+".join(p.name for p in parts), (rows, parts[0].shape[1]), parts[0].qtype, data)
+    """Stack weights by rows (fusing q/k/v or gate/up), keeping GGUF bytes when all share a type, or when all hold
+    small integers under a block scale (Q4_0, Q5_0, Q8_0: as Q8_0 blocks of the same values; llama.cpp's Q4_K_M
+    mixes Q5_0 and Q8_0 in Gemma 3's q/k/v); otherwise as float32."""
+    if all(isinstance(p, GGUFTensor) for p in parts):
+        qtypes = {p.qtype for p in parts}
+        if len(qtypes) > 1 and qtypes <= Q8_0_EXACT:
+            parts = [GGUFTensor(p.name, p.shape, GGMLQuantizationType.Q8_0, as_q8_0(p.data, p.qtype)) for p in parts]
+            qtypes = {GGMLQuantizationType.Q8_0}
+        if len(qtypes) == 1:
+            rows = sum(p.shape[0] for p in parts)
+            data = np.concatenate([p.data for p in parts])
+            return GGUFTensor("+".join(p.name for p in parts), (rows, parts[0].shape[1]), parts[0].qtype, data)
     return torch.cat([dense(p) for p in parts])
 
 
