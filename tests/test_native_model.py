@@ -65,6 +65,35 @@ def test_native_llama_3_2(qtype, tmp_path):
     assert_native_close(model_path(hf, qtype, tmp_path), TOLERANCE[qtype])
 
 
+def test_fused_parts_of_mixed_types_run_part_by_part():
+    """llama.cpp's Q4_K_M stores a Q6_K v beside Q4_K q and k in half the layers: their fused q/k/v (a RowStack)
+    runs each part's matmul on its own bytes, not as float32: bitwise each part alone, side by side (bias split
+    with them), near the reference's float32 matmul, at the parts' size."""
+    from gguf import GGMLQuantizationType as T
+
+    from churon.formats.gguf import GGUFTensor
+    from churon.formats.quants import quantize
+    from churon.model.native_backend import NativeBackend, StackedMatrix
+    from churon.model.reference_backend import ReferenceBackend
+    from churon.model.weights import RowStack, concat_rows
+
+    torch.manual_seed(0)
+    parts = [GGUFTensor(f"p{i}", (rows, 256), t, quantize(torch.randn(rows, 256), t).reshape(-1))
+             for i, (t, rows) in enumerate([(T.Q4_K, 64), (T.Q4_K, 32), (T.Q6_K, 32)])]
+    w = concat_rows(parts)
+    assert isinstance(w, RowStack) and w.shape == (128, 256)
+    native = NativeBackend()
+    m = native.matrix(w)
+    assert isinstance(m, StackedMatrix) and m.nbytes == sum(native.matrix(p).nbytes for p in parts) < 128 * 256 * 4
+    x, bias = torch.randn(5, 256), torch.randn(128)
+    y = native.linear(m, x, bias)
+    alone = [native.linear(native.matrix(p), x, b) for p, b in zip(parts, bias.split([64, 32, 32]))]
+    assert torch.equal(y, torch.cat(alone, dim=1))
+    reference = ReferenceBackend()
+    want = reference.linear(reference.matrix(w), x, bias)
+    assert (y - want).abs().max() < 0.02 * want.abs().max()
+
+
 def test_native_gpt_oss_mxfp4_experts_run_as_q8_0(tmp_path):
     """gpt-oss's MXFP4 experts (its release's format) repacked losslessly to Q8_0 blocks at load (every scale of these
     fits an fp16): the native matrices are Q8_0 and hold the MXFP4 values exactly; the logits near the reference path

@@ -224,10 +224,10 @@ def test_small_integer_types_as_q8_0_hold_the_same_values(qtype):
 
 
 def test_mixed_small_integer_parts_fuse_as_q8_0_bytes():
-    """Gemma 3 Q4_K_M's q/k (Q5_0) and v (Q8_0) fuse into one Q8_0 matrix equal to the parts stacked; a K-quant
-    among them falls back to float32 (no lossless common layout)."""
+    """Gemma 3 Q4_K_M's q/k (Q5_0) and v (Q8_0) fuse into one Q8_0 matrix equal to the parts stacked; with a
+    K-quant among them (no lossless common layout) the parts stay as they are, a RowStack."""
     from churon.formats.gguf import GGUFTensor
-    from churon.model.weights import concat_rows, dense
+    from churon.model.weights import RowStack, concat_rows, dense
 
     parts = [GGUFTensor(f"p{i}", (rows, 256), t, random_block_bytes(t, (rows, 256)))
              for i, (t, rows) in enumerate([(T.Q5_0, 4), (T.Q4_0, 2), (T.Q8_0, 3)])]
@@ -235,4 +235,6 @@ def test_mixed_small_integer_parts_fuse_as_q8_0_bytes():
     assert isinstance(fused, GGUFTensor) and fused.qtype == T.Q8_0 and fused.shape == (9, 256)
     assert torch.equal(dense(fused), torch.cat([dense(p) for p in parts]))
     k = GGUFTensor("k", (2, 256), T.Q4_K, random_block_bytes(T.Q4_K, (2, 256)))
-    assert isinstance(concat_rows([parts[0], k]), torch.Tensor)
+    mixed = concat_rows([parts[0], k])
+    assert isinstance(mixed, RowStack) and mixed.parts == (parts[0], k) and mixed.shape == (6, 256)
+    assert torch.equal(dense(mixed), torch.cat([dense(parts[0]), dense(k)]))
