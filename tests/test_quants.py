@@ -7,6 +7,7 @@ rounded to float32), so the results must be equal value for value.
 
 from __future__ import annotations
 
+import warnings
 import zlib
 
 import gguf.quants as gq
@@ -221,6 +222,10 @@ def test_small_integer_types_as_q8_0_hold_the_same_values(qtype):
     assert q8.size == 7 * 768 // 32 * 34
     np.testing.assert_array_equal(reference(q8, T.Q8_0, shape), reference(raw, qtype, shape))
     np.testing.assert_array_equal(dequantize(q8, T.Q8_0, shape).numpy(), dequantize(raw, qtype, shape).numpy())
+    raw.flags.writeable = False  # a GGUF's memory map: read as it is, without torch's warning about it
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        np.testing.assert_array_equal(as_q8_0(raw, qtype), q8)
 
 
 def test_mixed_small_integer_parts_fuse_as_q8_0_bytes():

@@ -109,7 +109,7 @@ def as_q8_0(data: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
     """Blocks of a Q8_0_EXACT type as Q8_0 blocks holding the same values (dequantizing either gives the same bits)."""
     if qtype == GGMLQuantizationType.Q8_0:
         return data
-    blocks = torch.from_numpy(np.ascontiguousarray(data).reshape(-1, GGML_QUANT_SIZES[qtype][1]))
+    blocks = _as_byte_tensor(data).view(-1, GGML_QUANT_SIZES[qtype][1])  # a memory map's bytes, read only
     out = torch.empty(blocks.shape[0], 34, dtype=torch.uint8)
     out[:, :2] = blocks[:, :2]  # the fp16 scale, as it is
     out[:, 2:] = _Q8_0_INTS[qtype](blocks).view(torch.uint8)
