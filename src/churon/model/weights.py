@@ -13,6 +13,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from churon.formats.gguf import GGUFTensor
 from churon.formats.quants import Q8_0_EXACT, as_q8_0, dequantize, quantize
 
+
 @dataclass(frozen=True)
 class RowStack:
     """GGUF weights stacked by rows whose types share no lossless layout (llama.cpp's Q4_K_M puts a Q6_K v beside
