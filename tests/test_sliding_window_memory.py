@@ -25,13 +25,14 @@ from churon.model.kv_layout import KVLayout, blocks_held
 from churon.sampling import SamplingParams
 from tiny_models import SLIDING_WINDOW, make_hf_model
 
-WINDOWED_ARCHS = ("gemma3", "gemma2", "mistral", "gpt_oss")  # 5 windowed to 1 global, alternating, all, alternating with sinks
+# five windowed layers to one global; alternating; all windowed; alternating, with attention sinks
+WINDOWED_ARCHS = ("gemma3", "gemma2", "mistral", "gpt_oss")
 
 
 def _config(windows: tuple[int, ...]) -> ModelConfig:
     return ModelConfig(architecture="gemma3", vocab_size=32, hidden_size=16, intermediate_size=32,
-                       num_layers=len(windows), num_heads=2, num_kv_heads=1, head_dim=8, context_length=4096, rms_norm_eps=1e-6, rope_theta=1e4,
-                       layer_windows=windows)
+                       num_layers=len(windows), num_heads=2, num_kv_heads=1, head_dim=8, context_length=4096,
+                       rms_norm_eps=1e-6, rope_theta=1e4, layer_windows=windows)
 
 
 def test_layouts_of_real_layer_patterns():

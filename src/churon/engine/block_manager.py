@@ -315,8 +315,9 @@ class BlockManager:
     def _behind_windows(self, seq: Sequence) -> list[tuple[int, int]]:
         """(group, index) of the blocks seq's next step no longer sees and still holds, in table order."""
         released = self._released(seq)
-        return [(g, i) for g, w in enumerate(self.windows) if w
-                for i in range(released[g], min(self._first_seen(g, seq.num_computed_tokens), len(seq.block_tables[g])))]
+        behind = [(g, min(self._first_seen(g, seq.num_computed_tokens), len(seq.block_tables[g])))
+                  for g, w in enumerate(self.windows) if w]
+        return [(g, i) for g, end in behind for i in range(released[g], end)]
 
     def _prefix_hits(self, seq: Sequence) -> PrefixHit:
         """The cached prefix a first allocation of seq would take ((0, []) if it has blocks): the most leading full
@@ -337,14 +338,18 @@ class BlockManager:
                 found[g, i] = block_id
             return found[g, i]
 
+        def last_missing(g: int) -> int:  # the last block windowed group g's window needs at h and lacks, or -1
+            needed = range(h - 1, self._first_seen(g, h * bs) - 1, -1)
+            return next((i for i in needed if cached(g, i) is None), -1)
+
         groups = range(len(self.windows))
         whole = [g for g in groups if not self.windows[g]]
+        windowed = [g for g in groups if self.windows[g]]
         h = 0 if whole else num_full
         while whole and h < num_full and all(cached(g, h) is not None for g in whole):
             h += 1
-        while h > 0:  # a windowed group missing block i < h allows at most i blocks
-            missing = max((next((i for i in range(h - 1, self._first_seen(g, h * bs) - 1, -1) if cached(g, i) is None), -1)
-                           for g in groups if self.windows[g]), default=-1)
+        while h > 0 and windowed:  # a hit longer than a missing block i would need it: at most i blocks
+            missing = max(last_missing(g) for g in windowed)
             if missing < 0:
                 break
             h = missing
