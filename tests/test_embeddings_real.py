@@ -99,16 +99,9 @@ NEAR_TIE = 0.01  # cosine scores this close may swap places on the native path
 
 
 @pytest.fixture(scope="module")
-def minilm():
-    from churon.registry import resolve_model
-
-    return resolve_model("all-minilm")
-
-
-@pytest.fixture(scope="module")
-def reference_vectors(minilm):
+def reference_vectors(minilm_dir):
     sentence_transformers = pytest.importorskip("sentence_transformers")
-    model = sentence_transformers.SentenceTransformer(str(minilm), device="cpu")
+    model = sentence_transformers.SentenceTransformer(str(minilm_dir), device="cpu")
     return torch.tensor(model.encode(SENTENCES)), torch.tensor(model.encode(QUERIES))
 
 
@@ -117,10 +110,10 @@ def ranking(queries: torch.Tensor, passages: torch.Tensor) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("kernels_choice, floor", [("reference", 0.99999), ("native", 0.999)])
-def test_vectors_and_ranking_equal_sentence_transformers(minilm, reference_vectors, kernels_choice, floor):
+def test_vectors_and_ranking_equal_sentence_transformers(minilm_dir, reference_vectors, kernels_choice, floor):
     if kernels_choice == "native" and not kernels.native_available():
         pytest.skip(kernels.reason)
-    llm = LLM(minilm, kernels=kernels_choice, threads=2)
+    llm = LLM(minilm_dir, kernels=kernels_choice, threads=2)
     assert llm.task == "embed" and llm.embedding_dim == 384 and llm.max_embed_len == 256
     passages, queries = (torch.tensor(llm.embed(x)) for x in (SENTENCES, QUERIES))
     want_passages, want_queries = reference_vectors

