@@ -245,3 +245,15 @@ def test_inspect_counts_kv_bytes_by_layer_kind(tmp_path, capsys):
     assert "global layers (1): 256 bytes a token of context; windowed layers (5): 1,280 bytes" in out
     kib = (2048 + 5 * 32) * 256 / 1024
     assert f"2k (> model context)   {kib:.1f} KiB" in out
+
+
+def test_a_pool_for_one_sequence_runs_the_longest_request(windowed_model):
+    """max_num_seqs=1 sizes the pool for one full context as its prefill holds it (a windowed group keeps its window
+    and the whole chunk), so a request up to the context runs: planned with decoding's smaller need, it was
+    refused as too long for the cache."""
+    model, _ = windowed_model
+    eng = _engine(windowed_model, max_num_seqs=1)
+    prompt = [5 + i % 200 for i in range(200)]
+    out = eng.generate([prompt], SamplingParams(max_tokens=model.config.context_length - 200, ignore_eos=True))[0]
+    assert len(out.token_ids) == model.config.context_length - 200
+    assert eng.memory_plan.num_blocks == eng.block_manager.num_blocks_held(model.config.context_length, 2048)

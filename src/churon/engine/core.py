@@ -170,7 +170,7 @@ class LLMEngine:
         request = Request(seq, self.tokenizer, self.model_config.vocab_size, grammar)
         total = len(prompt_ids) + max_new
         if not self.scheduler.can_ever_fit(total, len(prompt_ids)):
-            capacity = self.memory_plan.longest_sequence
+            capacity = min(self.memory_plan.longest_sequence, self.context_length)
             raise ContextLengthError(
                 f"the request needs up to {total} tokens of KV cache ({len(prompt_ids)} prompt + {max_new} new)"
                 f" but the whole cache holds {capacity} tokens; lower max_tokens or give the engine more kv_cache_memory"

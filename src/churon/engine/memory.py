@@ -37,6 +37,7 @@ class MemoryPlan:
     num_blocks: int
     available_bytes: int
     layout: KVLayout
+    chunk: int  # the most tokens a step computes for one sequence (max_num_batched_tokens): what a prefill holds more
 
     @property
     def kv_bytes(self) -> int:
@@ -47,9 +48,10 @@ class MemoryPlan:
         """Token slots in the pool: with one KV group, the tokens it holds."""
         return self.num_blocks * self.block_size
 
-    def sequence_slots(self, context: int) -> int:
-        """The pool's token slots one sequence of `context` tokens holds (at most) over all groups."""
-        return blocks_held(self.layout.windows, context, self.block_size) * self.block_size
+    def sequence_slots(self, context: int, chunk: int = 1) -> int:
+        """The pool's token slots one sequence of `context` tokens holds over all groups, computing `chunk` tokens a
+        step (1: decoding; a windowed group holds more during a prefill chunk)."""
+        return blocks_held(self.layout.windows, context, self.block_size, chunk) * self.block_size
 
     @property
     def longest_sequence(self) -> int:
@@ -57,7 +59,7 @@ class MemoryPlan:
         lo, hi = 0, 1 << 62
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            lo, hi = (mid, hi) if self.sequence_slots(mid) <= self.kv_tokens else (lo, mid - 1)
+            lo, hi = (mid, hi) if self.sequence_slots(mid, self.chunk) <= self.kv_tokens else (lo, mid - 1)
         return lo
 
     @property
@@ -135,8 +137,8 @@ def plan_memory(
     act = activation_bytes(config, engine)
     free_for_kv = available - weight_bytes - act
 
-    def cost(ctx: int) -> int:  # token slots of one sequence of ctx tokens
-        return blocks_held(layout.windows, ctx, engine.block_size) * engine.block_size
+    def cost(ctx: int, chunk: int = 1) -> int:  # token slots of one sequence of ctx tokens (MemoryPlan.sequence_slots)
+        return blocks_held(layout.windows, ctx, engine.block_size, chunk) * engine.block_size
     if free_for_kv < block:
         raise MemoryPlanError(
             f"the model does not fit: weights {_gib(weight_bytes)} + activations {_gib(act)}"
@@ -153,11 +155,12 @@ def plan_memory(
     else:
         budget = int(engine.kv_cache_fraction * free_for_kv)
     # no use holding more than max_num_seqs full contexts
-    wanted_blocks = engine.max_num_seqs * blocks_held(layout.windows, context_length, engine.block_size)
+    wanted_blocks = engine.max_num_seqs * cost(context_length, engine.max_num_batched_tokens) // engine.block_size
     num_blocks = min(budget // block, wanted_blocks)
     if num_blocks < 1:
         raise MemoryPlanError(f"kv_cache_memory={budget} bytes is less than one KV block ({block} bytes)")
-    return MemoryPlan(weight_bytes, act, block, engine.block_size, num_blocks, available, layout)
+    return MemoryPlan(weight_bytes, act, block, engine.block_size, num_blocks, available, layout,
+                      engine.max_num_batched_tokens)
 
 
 def plan_share(
@@ -177,7 +180,7 @@ def plan_share(
     layout = KVLayout.of(config)
     act = activation_bytes(config, engine)
     block = engine.block_size * kv_bytes_per_token(config, kv_dtype, layout.group_size)
-    one_context = blocks_held(layout.windows, context_length, engine.block_size)
+    one_context = blocks_held(layout.windows, context_length, engine.block_size, engine.max_num_batched_tokens)
     wanted = engine.max_num_seqs * one_context
     if engine.kv_cache_memory is not None:
         num_blocks = engine.kv_cache_memory // block
@@ -185,4 +188,5 @@ def plan_share(
             raise MemoryPlanError(f"kv_cache_memory={engine.kv_cache_memory} bytes is less than one KV block ({block} bytes)")
     else:
         num_blocks = max(one_context, (share - weight_bytes - act) // block)
-    return MemoryPlan(weight_bytes, act, block, engine.block_size, min(num_blocks, wanted), share, layout)
+    return MemoryPlan(weight_bytes, act, block, engine.block_size, min(num_blocks, wanted), share, layout,
+                      engine.max_num_batched_tokens)
