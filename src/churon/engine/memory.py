@@ -139,6 +139,7 @@ def plan_memory(
 
     def cost(ctx: int, chunk: int = 1) -> int:  # token slots of one sequence of ctx tokens (MemoryPlan.sequence_slots)
         return blocks_held(layout.windows, ctx, engine.block_size, chunk) * engine.block_size
+
     if free_for_kv < block:
         raise MemoryPlanError(
             f"the model does not fit: weights {_gib(weight_bytes)} + activations {_gib(act)}"
