@@ -13,7 +13,7 @@ that memory (churon.engine.kv_cache) and passes it in with every step.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
@@ -150,15 +150,20 @@ class Backend(Protocol):
 
 
 def experts_one_by_one(b: Backend, experts: Experts, h: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
-                       normalize: bool = False) -> torch.Tensor:
+                       normalize: bool = False, expert: Callable[[int, torch.Tensor], torch.Tensor] | None = None
+                       ) -> torch.Tensor:
     """Backend.moe_experts through b's linear and swiglu, one expert at a time over the tokens that chose it (the
-    reference backend's moe_experts, and what the native kernel must equal bit for bit)."""
+    reference backend's moe_experts, and what the native kernel must equal bit for bit). expert(e, rows): another
+    expert form's MLP of expert e (gpt-oss's clamped SwiGLU with biases) instead of the plain SwiGLU."""
     if normalize:
         weights = weights / sum_columns(weights)[:, None]
+    if expert is None:
+        def expert(e: int, x: torch.Tensor) -> torch.Tensor:
+            return b.linear(experts.down[e], b.swiglu(b.linear(experts.gate_up[e], x)))
     per_rank = torch.zeros(h.shape[0], chosen.shape[1], h.shape[1], dtype=h.dtype)
     for e in chosen.unique().tolist():
         tokens, ranks = (chosen == e).nonzero(as_tuple=True)
-        y = b.linear(experts.down[e], b.swiglu(b.linear(experts.gate_up[e], h[tokens])))
+        y = expert(e, h[tokens])
         per_rank[tokens, ranks] = y * weights[tokens, ranks, None].to(y.dtype)
     return sum_columns(per_rank)
 

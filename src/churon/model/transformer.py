@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from churon.config import ModelConfig
-from churon.model.backend import Backend, KVCache, SequenceCache, sum_columns
+from churon.model.backend import Backend, KVCache, SequenceCache, experts_one_by_one
 from churon.model.batch import ForwardBatch, SequenceChunk
 from churon.model.lora import LoraSlots
 from churon.model.reference_backend import ReferenceBackend
@@ -357,14 +357,8 @@ class DecoderBlock:
         else:
             weights, chosen = torch.topk(torch.softmax(logits, dim=-1), c.num_experts_per_tok, dim=-1)  # best first
         if c.expert_form == "clamped_swiglu":  # gpt-oss's experts, with biases: one expert at a time
-            if c.norm_topk_prob:
-                weights = weights / sum_columns(weights)[:, None]
-            per_rank = torch.zeros(h.shape[0], c.num_experts_per_tok, c.hidden_size, dtype=h.dtype)
-            for e in chosen.unique().tolist():
-                tokens, ranks = (chosen == e).nonzero(as_tuple=True)
-                y = self.clamped_expert(layer, e, h[tokens])
-                per_rank[tokens, ranks] = y * weights[tokens, ranks, None].to(y.dtype)
-            out = sum_columns(per_rank)
+            out = experts_one_by_one(b, layer.experts, h, chosen, weights, c.norm_topk_prob,
+                                     lambda e, x: self.clamped_expert(layer, e, x))
         else:
             # norm_topk_prob: the k weights renormalized to sum to 1, inside moe_experts (on the native backend a
             # handful of small torch ops a layer fewer)
