@@ -301,8 +301,8 @@ class DecoderBlock:
         """x: the residual stream [tokens, hidden]; h: x after the layer's input norm. Adds the attention's
         output to x in place (Gemma: normed first) and returns the MLP's output (Gemma: normed too), for the caller to
         add, fused with the next norm.
-        K and V go to model layer cache_layer's place in the cache (its layout's KV group and index). lora: the layer's LoRA stacks by fused matrix
-        (LoraSlots.layers[i]), given when the batch carries adapter slots."""
+        K and V go to model layer cache_layer's place in the cache (its layout's KV group and index). lora: the
+        layer's LoRA stacks by fused matrix (LoraSlots.layers[i]), given when the batch carries adapter slots."""
         b, c, eps = self.backend, self.config, self.config.rms_norm_eps
         n = batch.num_tokens
         # attention
@@ -386,4 +386,3 @@ class DecoderBlock:
         stack = lora.get(matrix)
         if stack is not None:
             self.backend.add_lora(y, x, stack, batch.lora_slots, batch.lora_scales)
-
