@@ -303,6 +303,9 @@ def test_bad_arguments():
     bm = BlockManager(4)
     with pytest.raises(ValueError, match="num_new_tokens"):
         bm.allocate(Sequence([1]), -1)
+    for windows in ((), (0, -8)):  # a window per KV group, each >= 0
+        with pytest.raises(ValueError, match="windows must give each KV group a window"):
+            BlockManager(4, windows=windows)
 
 
 @pytest.mark.parametrize("seed", range(6))

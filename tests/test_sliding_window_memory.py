@@ -257,3 +257,16 @@ def test_a_pool_for_one_sequence_runs_the_longest_request(windowed_model):
     out = eng.generate([prompt], SamplingParams(max_tokens=model.config.context_length - 200, ignore_eos=True))[0]
     assert len(out.token_ids) == model.config.context_length - 200
     assert eng.memory_plan.num_blocks == eng.block_manager.num_blocks_held(model.config.context_length, 2048)
+
+
+def test_a_batch_whose_chunks_disagree_on_their_kv_groups_is_an_error():
+    """Every chunk needs a table per KV group, each long enough for its tokens: else a clear error naming the chunk
+    (and the short table's length), before any tensor is made."""
+    from churon.model.batch import ForwardBatch, SequenceChunk
+
+    ok = SequenceChunk([1, 2, 3, 4, 5], 0, [0, 1], group_tables=[[2, 3]])
+    assert ForwardBatch.build([ok], 4).kv_group(1).slot_mapping.tolist() == [8, 9, 10, 11, 12]
+    with pytest.raises(ValueError, match="one block table per KV group"):
+        ForwardBatch.build([ok, SequenceChunk([1, 2], 0, [4])], 4)
+    with pytest.raises(ValueError, match="sequence chunk 0: 5 tokens need more than its 1 blocks"):
+        ForwardBatch.build([SequenceChunk([1, 2, 3, 4, 5], 0, [0, 1], group_tables=[[2]])], 4)

@@ -76,8 +76,9 @@ class ForwardBatch:
             end = len(c.token_ids)
             if not 0 <= c.start < end:
                 raise ValueError(f"sequence chunk {i}: start {c.start} outside its {end} tokens")
-            if any(-(-end // block_size) > len(t) for t in (c.block_table, *c.group_tables)):
-                raise ValueError(f"sequence chunk {i}: {end} tokens need more than its {len(c.block_table)} blocks")
+            short = min(len(t) for t in (c.block_table, *c.group_tables))
+            if -(-end // block_size) > short:
+                raise ValueError(f"sequence chunk {i}: {end} tokens need more than its {short} blocks")
             if c.lora_slot < -1:
                 raise ValueError(f"sequence chunk {i}: LoRA slot {c.lora_slot} (a slot is >= 0, or -1 for none)")
             ids.extend(c.token_ids[c.start :])
