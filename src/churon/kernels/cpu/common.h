@@ -22,7 +22,7 @@ enum QType : int {
   kF16 = 1,
   kQ4_0 = 2,
   kQ4_1 = 3,
-  kQ5_0 = 6,  // repacked into Q8_0's layout (layout_qtype), its kernels' type
+  kQ5_0 = 6,
   kQ8_0 = 8,
   kQ4_K = 12,
   kQ5_K = 13,
@@ -33,7 +33,7 @@ enum QType : int {
 // ---------------------------------------------------------------------------
 // Repacked weight layout ("x16"): rows are taken 16 at a time (a *group*; the last group is
 // padded with zero rows). A group is stored as a sequence of *units*, one per 32 columns
-// (Q4_0, Q4_1, Q8_0) or per 256 columns (K-quants). Inside a unit the codes of the 16 rows
+// (Q4_0, Q4_1, Q5_0, Q8_0) or per 256 columns (K-quants). Inside a unit the codes of the 16 rows
 // are interleaved so that one 64-byte vector holds 4 consecutive columns of each of the 16
 // rows: byte 4*r + t of a vector is row r, column c0 + t. A dot product with one 4-byte
 // broadcast of the activations then leaves row r's partial sum in 32-bit lane r (VNNI
@@ -46,6 +46,7 @@ enum QType : int {
 //
 //   Q4_0  unit 32 cols, 288 B: nibbles[256] | d f16[16]
 //   Q4_1  unit 32 cols, 320 B: nibbles[256] | d f16[16] | m f16[16]
+//   Q5_0  unit 32 cols, 352 B: nibbles[256] | qh u64[8] (as Q5_K's, below) | d f16[16]; x = d * (L - 16)
 //   Q8_0  unit 32 cols, 544 B: bytes[512] (8 vectors, vector j = columns 4j..4j+3, code+128) | d f16[16]
 //   K-quants: a unit is a head (per-row fp16 super-block scales) and 8 sub-blocks of 32
 //   columns, each holding everything it needs, so that a unit is read strictly front to back
@@ -341,22 +342,23 @@ static constexpr int kq_head(int qt) { return qt == kQ6_K ? 32 : 64; }
 static constexpr int kq_sb(int qt) { return qt == kQ4_K ? 288 : qt == kQ5_K ? 352 : 416; }
 static constexpr int kq_sc(int qt) { return qt == kQ4_K ? 256 : qt == kQ5_K ? 320 : 384; }
 static constexpr int kq_mn(int qt) { return kq_sc(qt) + 16; }  // Q4_K, Q5_K
-constexpr int kQ5Qh = 256;   // Q5_K qh masks inside a sub-block
+constexpr int kQ5Qh = 256;   // Q5_0 / Q5_K qh masks inside a unit / sub-block
 constexpr int kQ6Hb = 256;   // Q6_K high bits inside a sub-block
 
 // unit geometry of the repacked layout
-static inline int64_t unit_cols_of(int qtype) {
+static constexpr int64_t unit_cols_of(int qtype) {
   switch (qtype) {
-    case kQ4_0: case kQ4_1: case kQ8_0: return 32;
+    case kQ4_0: case kQ4_1: case kQ5_0: case kQ8_0: return 32;
     case kQ4_K: case kQ5_K: case kQ6_K: return 256;
     default: return 0;
   }
 }
 
-static inline int64_t unit_bytes_of(int qtype) {
+static constexpr int64_t unit_bytes_of(int qtype) {
   switch (qtype) {
     case kQ4_0: return 288;
     case kQ4_1: return 320;
+    case kQ5_0: return 352;
     case kQ8_0: return 544;
     case kQ4_K: return 2368;
     case kQ5_K: return 2880;

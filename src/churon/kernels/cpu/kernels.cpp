@@ -47,8 +47,8 @@ inline int nib(const uint8_t* P, int r, int c) {
   return P[64 * (c >> 2) + 4 * r + (c & 3)] >> 4;
 }
 
-// Q5_K 5th bit of row r, column c (0..31) from a sub-block's qh masks
-inline int q5k_bit(const uint8_t* qh, int r, int c) {
+// Q5_0 / Q5_K 5th bit of row r, column c (0..31) from a unit's / sub-block's qh masks
+inline int q5_bit(const uint8_t* qh, int r, int c) {
   const int v = c < 16 ? (c >> 2) : 4 + ((c - 16) >> 2);
   const uint64_t mask = load_u64(qh + 8 * v);
   return int((mask >> (4 * r + (c & 3))) & 1);
@@ -79,6 +79,11 @@ void decode_unit(const QWeights& w, int64_t row, int64_t u, float* out) {
       for (int c = 0; c < 32; ++c) out[c] = float(nib(p, r, c)) * d + m;
       break;
     }
+    case kQ5_0: {
+      const float d = fp16_to_fp32(load_u16(p + 320 + 2 * r));
+      for (int c = 0; c < 32; ++c) out[c] = float((nib(p, r, c) | q5_bit(p + kQ5Qh, r, c) << 4) - 16) * d;
+      break;
+    }
     case kQ8_0: {
       const float d = fp16_to_fp32(load_u16(p + 512 + 2 * r));
       for (int c = 0; c < 32; ++c) out[c] = float(int(p[64 * (c >> 2) + 4 * r + (c & 3)]) - 128) * d;
@@ -95,7 +100,7 @@ void decode_unit(const QWeights& w, int64_t row, int64_t u, float* out) {
         const float mn = dmin * float(sb[kq_mn(qt) + r]);
         for (int c = 0; c < 32; ++c) {
           int q = nib(sb, r, c);
-          if (qt == kQ5_K) q |= q5k_bit(sb + kQ5Qh, r, c) << 4;
+          if (qt == kQ5_K) q |= q5_bit(sb + kQ5Qh, r, c) << 4;
           out[32 * s + c] = sc * float(q) - mn;
         }
       }
@@ -358,6 +363,7 @@ void gemm(const QWeights& w, const ActQ& a, const float* x, int64_t m, float* y,
   switch (w.qtype) {
     case kQ4_0: gemm_q<kQ4_0>(w, a, m, y, bias, g0, g1); break;
     case kQ4_1: gemm_q<kQ4_1>(w, a, m, y, bias, g0, g1); break;
+    case kQ5_0: gemm_q<kQ5_0>(w, a, m, y, bias, g0, g1); break;
     case kQ8_0: gemm_q<kQ8_0>(w, a, m, y, bias, g0, g1); break;
     case kQ4_K: gemm_q<kQ4_K>(w, a, m, y, bias, g0, g1); break;
     case kQ5_K: gemm_q<kQ5_K>(w, a, m, y, bias, g0, g1); break;

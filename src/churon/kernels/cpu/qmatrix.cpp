@@ -44,8 +44,7 @@ QMatrix::QMatrix(const uint8_t* raw, int64_t raw_bytes, bool raw_contiguous, int
   }
   if (!raw_contiguous) throw std::invalid_argument("QMatrix: raw bytes must be contiguous");
 
-  qtype_ = qtype;
-  w_.qtype = layout_qtype(qtype);
+  w_.qtype = qtype;
   w_.rows = rows;
   w_.cols = cols;
   w_.ngroups = (rows + kGroupRows - 1) / kGroupRows;
@@ -65,9 +64,8 @@ QMatrix::QMatrix(const uint8_t* raw, int64_t raw_bytes, bool raw_contiguous, int
     w_.group_bytes = w_.nunits * w_.unit_bytes;
     nbytes_ = w_.ngroups * w_.group_bytes;
     buf_.reserve(size_t(nbytes_) + 64);
-    repack_x16(w_, qtype, raw, buf_.p);
-    layout_ = std::string(name) + (w_.qtype != qtype ? std::string(" as ") + qtype_name(w_.qtype) : "") +
-              " repacked x16 rows (" + std::to_string(w_.unit_cols) + "-column units of " +
+    repack_x16(w_, raw, buf_.p);
+    layout_ = std::string(name) + " repacked x16 rows (" + std::to_string(w_.unit_cols) + "-column units of " +
               std::to_string(w_.unit_bytes) + " bytes)";
   }
   w_.data = buf_.p;

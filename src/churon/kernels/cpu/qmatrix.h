@@ -20,7 +20,7 @@ class QMatrix {
 
   int64_t rows() const { return w_.rows; }
   int64_t cols() const { return w_.cols; }
-  int qtype() const { return qtype_; }  // the GGML type given (w_.qtype: its layout's)
+  int qtype() const { return w_.qtype; }
   const std::string& layout() const { return layout_; }
   int64_t nbytes() const { return nbytes_; }
 
@@ -34,7 +34,6 @@ class QMatrix {
   void dequantize_rows(uintptr_t idsp, int64_t n, uintptr_t outp);
 
  private:
-  int qtype_ = 0;
   QWeights w_;
   Buffer buf_;
   std::string layout_;

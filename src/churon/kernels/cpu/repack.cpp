@@ -40,8 +40,6 @@ void gguf_block(int q, int64_t& bs, int64_t& ts) {
   }
 }
 
-int layout_qtype(int q) { return q == kQ5_0 ? kQ8_0 : q; }
-
 namespace {
 
 // one row's GGUF block decoded to unsigned codes and raw scale fields
@@ -78,13 +76,13 @@ void decode_block(int q, const uint8_t* b, Decoded& o) {
       o.d = load_u16(b);
       for (int j = 0; j < 32; ++j) o.code[j] = uint8_t(b[2 + j] ^ 0x80);  // int8 + 128
       break;
-    case kQ5_0: {  // d | qh u32 (bit j: the 5th bit of value j) | qs[16] (values j, j + 16), as Q8_0 codes
+    case kQ5_0: {  // d | qh u32 (bit j: the 5th bit of value j) | qs[16] (values j, j + 16)
       o.d = load_u16(b);
       const uint32_t qh = uint32_t(load_i32(b + 2));
       const uint8_t* qs = b + 6;
       for (int j = 0; j < 16; ++j) {
-        o.code[j] = uint8_t(((qs[j] & 15) | ((qh >> j) & 1) << 4) + 112);  // L - 16 + 128
-        o.code[j + 16] = uint8_t(((qs[j] >> 4) | ((qh >> (j + 16)) & 1) << 4) + 112);
+        o.code[j] = uint8_t((qs[j] & 15) | ((qh >> j) & 1) << 4);
+        o.code[j + 16] = uint8_t((qs[j] >> 4) | ((qh >> (j + 16)) & 1) << 4);
       }
       break;
     }
@@ -134,6 +132,16 @@ inline void put_nibbles(uint8_t* P, int r, const uint8_t* codes) {
       P[64 * j + 4 * r + t] = uint8_t((codes[4 * j + t] & 15) | ((codes[16 + 4 * j + t] & 15) << 4));
 }
 
+// set the qh mask bits (common.h) of row r's 5-bit codes of a 32-column sub-block (codes[0..31])
+inline void put_fifth_bits(uint8_t* qh, int r, const uint8_t* codes) {
+  for (int c = 0; c < 32; ++c) {
+    if (!(codes[c] & 16)) continue;
+    const int v = c < 16 ? (c >> 2) : 4 + ((c - 16) >> 2);
+    const int bit = 4 * r + (c & 3);
+    qh[8 * v + (bit >> 3)] |= uint8_t(1u << (bit & 7));
+  }
+}
+
 inline void put_u16(uint8_t* p, uint16_t v) { std::memcpy(p, &v, 2); }
 
 void repack_unit(int q, uint8_t* P, int r, const Decoded& o) {
@@ -143,6 +151,11 @@ void repack_unit(int q, uint8_t* P, int r, const Decoded& o) {
       put_nibbles(P, r, o.code);
       put_u16(P + 256 + 2 * r, o.d);
       if (q == kQ4_1) put_u16(P + 288 + 2 * r, o.m);
+      break;
+    case kQ5_0:
+      put_nibbles(P, r, o.code);
+      put_fifth_bits(P + kQ5Qh, r, o.code);
+      put_u16(P + 320 + 2 * r, o.d);
       break;
     case kQ8_0:
       for (int c = 0; c < 32; ++c) P[64 * (c >> 2) + 4 * r + (c & 3)] = o.code[c];
@@ -155,15 +168,7 @@ void repack_unit(int q, uint8_t* P, int r, const Decoded& o) {
         put_nibbles(sb, r, o.code + 32 * s);
         sb[kq_sc(q) + r] = o.sc[s];
         sb[kq_mn(q) + r] = o.mn[s];
-        if (q == kQ5_K) {
-          for (int c = 0; c < 32; ++c) {
-            if (!(o.code[32 * s + c] & 16)) continue;
-            const int v = c < 16 ? (c >> 2) : 4 + ((c - 16) >> 2);
-            uint8_t* mask = sb + kQ5Qh + 8 * v;
-            const int bit = 4 * r + (c & 3);
-            mask[bit >> 3] |= uint8_t(1u << (bit & 7));
-          }
-        }
+        if (q == kQ5_K) put_fifth_bits(sb + kQ5Qh, r, o.code + 32 * s);
       }
       put_u16(P + 2 * r, o.d);
       put_u16(P + 32 + 2 * r, o.m);
@@ -189,9 +194,9 @@ void repack_unit(int q, uint8_t* P, int r, const Decoded& o) {
 
 }  // namespace
 
-void repack_x16(const QWeights& w, int src_qtype, const uint8_t* src, uint8_t* dst) {
+void repack_x16(const QWeights& w, const uint8_t* src, uint8_t* dst) {
   int64_t bs, ts;
-  gguf_block(src_qtype, bs, ts);
+  gguf_block(w.qtype, bs, ts);
   const int64_t nblocks = w.cols / bs;  // GGUF blocks per row (= nunits)
   auto work = [&](int64_t g0, int64_t g1, int) {
     Decoded o;
@@ -202,7 +207,7 @@ void repack_x16(const QWeights& w, int src_qtype, const uint8_t* src, uint8_t* d
         const int64_t row = g * kGroupRows + r;
         if (row >= w.rows) break;  // padding rows stay zero (codes 0, scales +0.0)
         for (int64_t u = 0; u < nblocks; ++u) {
-          decode_block(src_qtype, src + (row * nblocks + u) * ts, o);
+          decode_block(w.qtype, src + (row * nblocks + u) * ts, o);
           repack_unit(w.qtype, gp + u * w.unit_bytes, r, o);
         }
       }
