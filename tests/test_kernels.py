@@ -376,6 +376,24 @@ def test_add_rms_norm(isa):
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
 
 
+def test_add_rms_norm_of_normed_x(isa, threads):
+    # x_norm (Gemma's norms after attention and the MLP): residual += rms_norm(x, x_norm), then the norm of the
+    # residual, in one call: bitwise the two kernels in turn, x left as it was; serial and parallel
+    for m, nthreads in ((3, 1), (300, 2)):
+        threads(nthreads)
+        n = 640
+        residual, x = activations(m, n), activations(m, n, seed=1) * 50
+        w, x_norm = torch.randn(n), torch.rand(n) + 1
+        normed = torch.empty(m, n)
+        cpu.rms_norm(x.data_ptr(), x_norm.data_ptr(), normed.data_ptr(), m, n, 1e-6)
+        torch.testing.assert_close(normed, truth.rms_norm(x, x_norm, 1e-6), rtol=1e-5, atol=1e-5)
+        want_res, want_out = residual.clone(), torch.empty(m, n)
+        cpu.add_rms_norm(want_res.data_ptr(), normed.data_ptr(), w.data_ptr(), want_out.data_ptr(), m, n, 1e-6)
+        res, out, x0 = residual.clone(), torch.empty(m, n), x.clone()
+        cpu.add_rms_norm(res.data_ptr(), x.data_ptr(), w.data_ptr(), out.data_ptr(), m, n, 1e-6, x_norm.data_ptr())
+        assert torch.equal(res, want_res) and torch.equal(out, want_out) and torch.equal(x, x0)
+
+
 def rope_tables(max_pos: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv_freq)
@@ -434,6 +452,38 @@ def test_rope_and_cache_bitwise(isa, threads):
                        k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), 1000)
     assert torch.equal(qkv[:, : H * hd].reshape(m, H, hd), want_q)
     assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+
+
+def test_rope_and_cache_head_norms(isa, threads):
+    # q_norm / k_norm (Qwen3, Gemma 3): each head of q and k RMS-normalized first, bitwise what the rms_norm
+    # kernel gives on those heads, then RoPE and the cache as without; strided rows, serial and parallel
+    cos, sin = rope_tables(64, 64)
+    H, KV, hd, eps = 9, 3, 64, 1e-6
+    q_norm, k_norm = torch.rand(hd) + 0.5, torch.rand(hd) * 2
+    for m, nthreads in ((3, 1), (64, 2)):
+        threads(nthreads)
+        wide = activations(m, 1000) * 7
+        qkv = wide[:, : (H + 2 * KV) * hd]
+        positions = torch.arange(m, dtype=torch.int64)
+        slots = torch.arange(m, dtype=torch.int64)
+        normed = qkv.clone()
+        for cols, heads, w in ((slice(0, H * hd), H, q_norm), (slice(H * hd, (H + KV) * hd), KV, k_norm)):
+            part = normed[:, cols].contiguous()
+            cpu.rms_norm(part.data_ptr(), w.data_ptr(), part.data_ptr(), m * heads, hd, eps)
+            normed[:, cols] = part
+            ref = truth.rms_norm(qkv[:, cols].reshape(m, heads, hd), w, eps).reshape(m, -1)
+            assert torch.allclose(part, ref, rtol=1e-5, atol=1e-6)
+        k_cache, v_cache = torch.zeros(8, 8, KV, hd), torch.zeros(8, 8, KV, hd)
+        want_q, want_k, want_v = truth.rope_and_cache(normed, H, KV, positions, cos, sin, k_cache, v_cache, slots)
+        cpu.rope_and_cache(qkv.data_ptr(), m, H, KV, hd, positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                           k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), 1000, "float32", 0, 0,
+                           q_norm.data_ptr(), k_norm.data_ptr(), eps)
+        assert torch.equal(qkv[:, : H * hd].reshape(m, H, hd), want_q)
+        assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+    with pytest.raises(ValueError, match="both q_norm and k_norm"):
+        cpu.rope_and_cache(qkv.data_ptr(), m, H, KV, hd, positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                           k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), 1000, "float32", 0, 0,
+                           q_norm.data_ptr(), 0, eps)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)

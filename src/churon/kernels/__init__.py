@@ -23,11 +23,13 @@ The raw API (all tensors float32 and C-contiguous unless said; pointers are ints
         .dequantize_rows(ids_ptr, n, out_ptr)                        # embedding lookup, ids int64 [n]
         .rows .cols .qtype .layout .nbytes
     rms_norm(x_ptr, weight_ptr, out_ptr, m, n, eps)
-    add_rms_norm(residual_ptr, x_ptr, weight_ptr, out_ptr, m, n, eps)   # residual += x; out = rms_norm(residual)
+    add_rms_norm(residual_ptr, x_ptr, weight_ptr, out_ptr, m, n, eps, x_norm_ptr=0)   # residual += x (or
+                                                                     # rms_norm(x, x_norm)); out = rms_norm(residual)
     rope(x_ptr, m, n_heads, head_dim, positions_ptr, cos_ptr, sin_ptr, row_stride=0)   # in place
     rope_and_cache(qkv_ptr, m, num_heads, num_kv_heads, head_dim, positions_ptr, cos_ptr, sin_ptr,
                    k_cache_ptr, v_cache_ptr, slot_mapping_ptr, row_stride=0, kv_dtype="float32",
-                   k_scale_ptr=0, v_scale_ptr=0)                     # int8: scales float32 [slots, kv_heads]
+                   k_scale_ptr=0, v_scale_ptr=0,                     # int8: scales float32 [slots, kv_heads]
+                   q_norm_ptr=0, k_norm_ptr=0, eps=0.0)              # per-head RMSNorm of q,k first (both or none);
                                                                      # rope q,k in place; k,v -> cache
     layer_norm(x_ptr, residual_ptr, weight_ptr, bias_ptr, out_ptr, m, n, eps)   # LayerNorm(x + residual) * w + b,
                                                                      # residual_ptr 0: none; inputs not written

@@ -79,8 +79,10 @@ class Backend(Protocol):
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
 
-    def add_rms_norm(self, residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        """residual += x (in place); returns rms_norm(residual)."""
+    def add_rms_norm(self, residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                     x_norm: torch.Tensor | None = None) -> torch.Tensor:
+        """residual += x (in place; with x_norm, += rms_norm(x, x_norm): Gemma's norms after attention and the MLP);
+        returns rms_norm(residual)."""
         ...
 
     def layer_norm(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor: ...
@@ -105,8 +107,10 @@ class Backend(Protocol):
         ...
 
     def rope_and_cache(self, qkv: torch.Tensor, shape: tuple[int, int, int], batch: ForwardBatch, cos: torch.Tensor,
-                       sin: torch.Tensor, cache: KVCache, layer: int) -> torch.Tensor:
-        """RoPE on q and k of qkv [tokens, (heads + 2 kv_heads) * head_dim]; k and v into the cache. Returns q."""
+                       sin: torch.Tensor, cache: KVCache, layer: int,
+                       head_norms: tuple[torch.Tensor, torch.Tensor] | None = None, eps: float = 0.0) -> torch.Tensor:
+        """RoPE on q and k of qkv [tokens, (heads + 2 kv_heads) * head_dim]; k and v into the cache. Returns q.
+        head_norms: (q_norm, k_norm) weights [head_dim]: each q and k head is rms_norm'ed first (Qwen3, Gemma 3)."""
         ...
 
     def swiglu(self, gate_up: torch.Tensor) -> torch.Tensor: ...  # silu(gate) * up, gate the first half's columns

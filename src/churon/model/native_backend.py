@@ -94,10 +94,12 @@ class NativeBackend:
         self.cpu.rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // n, n, eps)
         return out
 
-    def add_rms_norm(self, residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    def add_rms_norm(self, residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                     x_norm: torch.Tensor | None = None) -> torch.Tensor:
         n = x.shape[-1]
         out = torch.empty_like(x)
-        self.cpu.add_rms_norm(residual.data_ptr(), x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // n, n, eps)
+        self.cpu.add_rms_norm(residual.data_ptr(), x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // n, n, eps,
+                              x_norm.data_ptr() if x_norm is not None else 0)
         return out
 
     def layer_norm(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
@@ -130,14 +132,17 @@ class NativeBackend:
         return ops.attention_packed(qkv, heads, head_dim, seq_starts, scale)
 
     def rope_and_cache(self, qkv: torch.Tensor, shape: tuple[int, int, int], batch: ForwardBatch, cos: torch.Tensor,
-                       sin: torch.Tensor, cache: KVCache, layer: int) -> torch.Tensor:
-        """One kernel: RoPE on q and k in place in qkv, k and v stored at their slots. Returns q (a view of qkv)."""
+                       sin: torch.Tensor, cache: KVCache, layer: int,
+                       head_norms: tuple[torch.Tensor, torch.Tensor] | None = None, eps: float = 0.0) -> torch.Tensor:
+        """One kernel: the heads' norms and RoPE on q and k in place in qkv, k and v stored at their slots. Returns q
+        (a view of qkv)."""
         heads, kv_heads, head_dim = shape
         n = qkv.shape[0]
+        norms = (head_norms[0].data_ptr(), head_norms[1].data_ptr()) if head_norms is not None else (0, 0)
         self.cpu.rope_and_cache(
             qkv.data_ptr(), n, heads, kv_heads, head_dim, batch.positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
             cache.k[layer].data_ptr(), cache.v[layer].data_ptr(), batch.slot_mapping.data_ptr(), qkv.stride(0),
-            cache.dtype_name, *_scale_ptrs(cache, layer),
+            cache.dtype_name, *_scale_ptrs(cache, layer), *norms, eps,
         )
         return qkv[:, : heads * head_dim].view(n, heads, head_dim)
 

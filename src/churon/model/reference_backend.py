@@ -45,9 +45,10 @@ class ReferenceBackend:
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
         return weight * h.to(x.dtype)
 
-    def add_rms_norm(self, residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        """residual += x (in place); returns rms_norm(residual)."""
-        residual.add_(x)
+    def add_rms_norm(self, residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                     x_norm: torch.Tensor | None = None) -> torch.Tensor:
+        """residual += x, or rms_norm(x, x_norm) (in place); returns rms_norm(residual)."""
+        residual.add_(x if x_norm is None else self.rms_norm(x, x_norm, eps))
         return self.rms_norm(residual, weight, eps)
 
     def layer_norm(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
@@ -84,13 +85,18 @@ class ReferenceBackend:
         return (x.float() * c + rotated.float() * s).to(x.dtype)
 
     def rope_and_cache(self, qkv: torch.Tensor, shape: tuple[int, int, int], batch: ForwardBatch, cos: torch.Tensor,
-                       sin: torch.Tensor, cache: KVCache, layer: int) -> torch.Tensor:
-        """RoPE on q and k of qkv [tokens, (heads + 2 kv_heads) * head_dim]; k and v into the cache. Returns q."""
+                       sin: torch.Tensor, cache: KVCache, layer: int,
+                       head_norms: tuple[torch.Tensor, torch.Tensor] | None = None, eps: float = 0.0) -> torch.Tensor:
+        """RoPE on q and k of qkv [tokens, (heads + 2 kv_heads) * head_dim] (each head rms_norm'ed first with
+        head_norms' q and k weights); k and v into the cache. Returns q."""
         heads, kv_heads, head_dim = shape
         n = qkv.shape[0]
         q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
-        q = self.rope(q.view(n, heads, head_dim), batch.positions, cos, sin)
-        k = self.rope(k.view(n, kv_heads, head_dim), batch.positions, cos, sin)
+        q, k = q.reshape(n, heads, head_dim), k.reshape(n, kv_heads, head_dim)
+        if head_norms is not None:
+            q, k = self.rms_norm(q, head_norms[0], eps), self.rms_norm(k, head_norms[1], eps)
+        q = self.rope(q, batch.positions, cos, sin)
+        k = self.rope(k, batch.positions, cos, sin)
         cache.write(layer, batch.slot_mapping, k, v.view(n, kv_heads, head_dim))
         return q
 

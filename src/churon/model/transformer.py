@@ -270,10 +270,10 @@ class Transformer:
         h = b.rms_norm(x, self.layers[0].input_norm, eps)
         for i, layer in enumerate(self.layers):
             down = self.block(layer, x, h, batch, cache, i, lora[i] if lora is not None else None)
-            if i + 1 < len(self.layers):  # the MLP's residual add fused with the next layer's input norm
-                h = b.add_rms_norm(x, down, self.layers[i + 1].input_norm, eps)
+            if i + 1 < len(self.layers):  # the MLP's residual add (Gemma: its norm first) fused with the next input norm
+                h = b.add_rms_norm(x, down, self.layers[i + 1].input_norm, eps, layer.mlp_out_norm)
         rows = batch.logits_indices
-        return b.add_rms_norm(x[rows], down[rows], self.norm, eps)
+        return b.add_rms_norm(x[rows], down[rows], self.norm, eps, layer.mlp_out_norm)
 
 
 class DecoderBlock:
@@ -299,8 +299,8 @@ class DecoderBlock:
     def __call__(self, layer: LayerWeights, x: torch.Tensor, h: torch.Tensor, batch: ForwardBatch,
                  cache: KVCache, cache_layer: int, lora: dict[str, Any] | None = None) -> torch.Tensor:
         """x: the residual stream [tokens, hidden]; h: x after the layer's input norm. Adds the attention's
-        output to x in place (Gemma: normed first) and returns the MLP's output (Gemma: normed too), for the caller to
-        add, fused with the next norm.
+        output to x in place (Gemma: normed first) and returns the MLP's output, for the caller to add fused with the
+        next norm (Gemma: after its own norm, layer.mlp_out_norm, in the same call: add_rms_norm's x_norm).
         K and V go to model layer cache_layer's place in the cache (its layout's KV group and index). lora: the
         layer's LoRA stacks by fused matrix (LoraSlots.layers[i]), given when the batch carries adapter slots."""
         b, c, eps = self.backend, self.config, self.config.rms_norm_eps
@@ -309,24 +309,24 @@ class DecoderBlock:
         qkv = b.linear(layer.qkv, h, layer.qkv_bias)
         if lora:  # the adapters' deltas on the bias-added q/k/v, before q/k norm and RoPE
             self.add_lora(lora, "qkv", qkv, h, batch)
-        if layer.q_norm is not None:  # Qwen3: RMSNorm over each head of q and of k, before RoPE; OLMoE: over all of q, k
+        # q/k norms before RoPE: Qwen3 and Gemma 3 over each head (in rope_and_cache), OLMoE over all of q and of k
+        head_norms = None
+        if layer.q_norm is not None and c.qk_norm_per_head:
+            head_norms = (layer.q_norm, layer.k_norm)
+        elif layer.q_norm is not None:
             q_size, kv_size = self.split[0], self.split[1]
-            width = c.head_dim if c.qk_norm_per_head else None
-            qkv[:, :q_size] = b.rms_norm(qkv[:, :q_size].reshape(-1, width or q_size), layer.q_norm, eps).view(n, -1)
-            k_cols = slice(q_size, q_size + kv_size)
-            qkv[:, k_cols] = b.rms_norm(qkv[:, k_cols].reshape(-1, width or kv_size), layer.k_norm, eps).view(n, -1)
+            qkv[:, :q_size] = b.rms_norm(qkv[:, :q_size], layer.q_norm, eps)
+            qkv[:, q_size:q_size + kv_size] = b.rms_norm(qkv[:, q_size:q_size + kv_size], layer.k_norm, eps)
         cos, sin = (self.local_cos, self.local_sin) if layer.window else (self.cos, self.sin)
         group, slot = cache.layout.layer_slots[cache_layer]  # where the layer's K/V live, through which tables
         kv = batch.kv_group(group)
-        q = b.rope_and_cache(qkv, self.heads, kv, cos, sin, cache, slot)
+        q = b.rope_and_cache(qkv, self.heads, kv, cos, sin, cache, slot, head_norms, eps)
         attn = b.attention(q, cache, slot, kv, self.scale, window=layer.window,
                            softcap=c.attn_logit_softcap, sinks=layer.sinks).reshape(n, -1)
         o = b.linear(layer.o, attn, layer.o_bias)
         if lora:
             self.add_lora(lora, "o", o, attn, batch)
-        if layer.attn_out_norm is not None:
-            o = b.rms_norm(o, layer.attn_out_norm, eps)
-        h = b.add_rms_norm(x, o, layer.post_norm, eps)
+        h = b.add_rms_norm(x, o, layer.post_norm, eps, layer.attn_out_norm)
         if layer.router is not None:
             return self.moe(layer, h)
         # gated MLP: SwiGLU, or GeGLU (Gemma)
@@ -337,8 +337,6 @@ class DecoderBlock:
         down = b.linear(layer.down, act)
         if lora:
             self.add_lora(lora, "down", down, act, batch)
-        if layer.mlp_out_norm is not None:
-            down = b.rms_norm(down, layer.mlp_out_norm, eps)
         return down
 
     def moe(self, layer: LayerWeights, h: torch.Tensor) -> torch.Tensor:

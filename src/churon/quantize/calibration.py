@@ -139,7 +139,8 @@ def calibrate_layerwise(
         stats = _attach_stats(layer, i, backend, hessian)
         for x, batch in zip(residuals, batches):
             h = backend.rms_norm(x, layer.input_norm, eps)
-            x.add_(block(layer, x, h, batch, cache, 0))
+            down = block(layer, x, h, batch, cache, 0)  # Gemma: its norm after the MLP is the caller's
+            x.add_(down if layer.mlp_out_norm is None else backend.rms_norm(down, layer.mlp_out_norm, eps))
         backend.stats_of.clear()
         return stats
 

@@ -50,8 +50,9 @@ PYBIND11_MODULE(_cpu, m) {
   m.def("rms_norm", &rms_norm, py::arg("x_ptr"), py::arg("weight_ptr"), py::arg("out_ptr"), py::arg("m"),
         py::arg("n"), py::arg("eps"), "out[m, n] = weight * (x * rsqrt(mean(x^2) + eps)); float32; out may be x.");
   m.def("add_rms_norm", &add_rms_norm, py::arg("residual_ptr"), py::arg("x_ptr"), py::arg("weight_ptr"),
-        py::arg("out_ptr"), py::arg("m"), py::arg("n"), py::arg("eps"),
-        "residual += x, then out = rms_norm(residual); float32.");
+        py::arg("out_ptr"), py::arg("m"), py::arg("n"), py::arg("eps"), py::arg("x_norm_ptr") = 0,
+        "residual += x (with x_norm_ptr: += rms_norm(x, x_norm), bitwise), then out = rms_norm(residual); float32;"
+        " x is not written.");
   m.def("rope", &rope, py::arg("x_ptr"), py::arg("m"), py::arg("n_heads"), py::arg("head_dim"),
         py::arg("positions_ptr"), py::arg("cos_ptr"), py::arg("sin_ptr"), py::arg("row_stride") = 0,
         "In-place rotate-half RoPE on x[m, n_heads, head_dim] (token rows row_stride floats apart, 0: packed);"
@@ -60,7 +61,10 @@ PYBIND11_MODULE(_cpu, m) {
         py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("positions_ptr"), py::arg("cos_ptr"), py::arg("sin_ptr"),
         py::arg("k_cache_ptr"), py::arg("v_cache_ptr"), py::arg("slot_mapping_ptr"), py::arg("row_stride") = 0,
         py::arg("kv_dtype") = "float32", py::arg("k_scale_ptr") = 0, py::arg("v_scale_ptr") = 0,
-        "On fused qkv rows [m, (num_heads + 2 num_kv_heads) * head_dim]: RoPE on q and k in place, then k and v"
+        py::arg("q_norm_ptr") = 0, py::arg("k_norm_ptr") = 0, py::arg("eps") = 0.0,
+        "On fused qkv rows [m, (num_heads + 2 num_kv_heads) * head_dim]: with q_norm / k_norm (float32"
+        " [head_dim], both or neither) each q and k head RMS-normalized in place first (eps), as rms_norm does;"
+        " RoPE on q and k in place, then k and v"
         " of token i written to the paged caches at slot slot_mapping[i] (int64, negative: skipped), converted"
         " to kv_dtype ('float32', 'float16', 'bfloat16': round to nearest even; 'int8': per (slot, kv head)"
         " scale amax / 127 written to the float32 k_scale / v_scale arrays [slots, num_kv_heads]).");

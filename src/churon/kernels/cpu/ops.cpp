@@ -70,14 +70,24 @@ void rms_norm(uintptr_t xp, uintptr_t wp, uintptr_t outp, int64_t m, int64_t n, 
   rows_op(m, n, [&](int64_t b, int64_t e) { k->rms_norm(x, w, out, b, e, n, float(eps)); });
 }
 
-void add_rms_norm(uintptr_t rp, uintptr_t xp, uintptr_t wp, uintptr_t outp, int64_t m, int64_t n, double eps) {
+void add_rms_norm(uintptr_t rp, uintptr_t xp, uintptr_t wp, uintptr_t outp, int64_t m, int64_t n, double eps,
+                  uintptr_t xnp) {
   if (m <= 0 || n <= 0) return;
   float* res = ptr<float>(rp, "add_rms_norm: residual");
   const float* x = ptr<const float>(xp, "add_rms_norm: x");
   const float* w = ptr<const float>(wp, "add_rms_norm: weight");
   float* out = ptr<float>(outp, "add_rms_norm: out");
+  const float* xn = xnp ? ptr<const float>(xnp, "add_rms_norm: x_norm") : nullptr;
   const KernelTable* k = kt();
-  rows_op(m, n, [&](int64_t b, int64_t e) { k->add_rms_norm(res, x, w, out, b, e, n, float(eps)); });
+  rows_op(m, n, [&](int64_t b, int64_t e) {
+    if (!xn) {
+      k->add_rms_norm(res, x, w, out, b, e, n, float(eps));
+      return;
+    }
+    // the normed x goes through out: a row of it is added to the residual before out's row is written
+    k->rms_norm(x, xn, out, b, e, n, float(eps));
+    k->add_rms_norm(res, out, w, out, b, e, n, float(eps));
+  });
 }
 
 void rope(uintptr_t xp, int64_t m, int64_t n_heads, int64_t head_dim, uintptr_t posp, uintptr_t cosp,
@@ -97,8 +107,10 @@ void rope(uintptr_t xp, int64_t m, int64_t n_heads, int64_t head_dim, uintptr_t 
 
 void rope_and_cache(uintptr_t qkvp, int64_t m, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                     uintptr_t posp, uintptr_t cosp, uintptr_t sinp, uintptr_t kcp, uintptr_t vcp, uintptr_t slotp,
-                    int64_t row_stride, const std::string& kv_dtype, uintptr_t ksp, uintptr_t vsp) {
+                    int64_t row_stride, const std::string& kv_dtype, uintptr_t ksp, uintptr_t vsp, uintptr_t qnp,
+                    uintptr_t knp, double eps) {
   const int dt = kv_dtype_of(kv_dtype, "rope_and_cache");
+  if ((qnp == 0) != (knp == 0)) throw std::invalid_argument("rope_and_cache: give both q_norm and k_norm, or neither");
   if (m <= 0) return;
   if (head_dim <= 0 || head_dim % 2) throw std::invalid_argument("rope_and_cache: head_dim must be positive and even");
   if (num_heads <= 0 || num_kv_heads <= 0) throw std::invalid_argument("rope_and_cache: head counts must be positive");
@@ -111,10 +123,17 @@ void rope_and_cache(uintptr_t qkvp, int64_t m, int64_t num_heads, int64_t num_kv
   const int64_t* slots = ptr<const int64_t>(slotp, "rope_and_cache: slot_mapping");
   float* ks = dt == kKvI8 ? ptr<float>(ksp, "rope_and_cache: k_scale") : nullptr;
   float* vs = dt == kKvI8 ? ptr<float>(vsp, "rope_and_cache: v_scale") : nullptr;
+  const float* qn = qnp ? ptr<const float>(qnp, "rope_and_cache: q_norm") : nullptr;
+  const float* kn = knp ? ptr<const float>(knp, "rope_and_cache: k_norm") : nullptr;
   const int64_t kv = num_kv_heads * head_dim;
   if (row_stride == 0) row_stride = (num_heads + 2 * num_kv_heads) * head_dim;
   const KernelTable* k = kt();
   rows_op(m, row_stride, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; qn && i < e; ++i) {  // a head is a row of the norm kernel: rms_norm's bits exactly
+      float* row = qkv + i * row_stride;
+      k->rms_norm(row, qn, row, 0, num_heads, head_dim, float(eps));
+      k->rms_norm(row + num_heads * head_dim, kn, row + num_heads * head_dim, 0, num_kv_heads, head_dim, float(eps));
+    }
     k->rope(qkv, b, e, num_heads + num_kv_heads, head_dim, row_stride, pos, c, s);
     for (int64_t i = b; i < e; ++i) {
       if (slots[i] < 0) continue;

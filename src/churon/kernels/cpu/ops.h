@@ -9,16 +9,21 @@
 namespace churon {
 
 void rms_norm(uintptr_t xp, uintptr_t wp, uintptr_t outp, int64_t m, int64_t n, double eps);
-void add_rms_norm(uintptr_t rp, uintptr_t xp, uintptr_t wp, uintptr_t outp, int64_t m, int64_t n, double eps);
+// residual += x (x_norm: rms_norm(x, x_norm) instead, Gemma's norm after attention and the MLP), then
+// out = rms_norm(residual, weight)
+void add_rms_norm(uintptr_t rp, uintptr_t xp, uintptr_t wp, uintptr_t outp, int64_t m, int64_t n, double eps,
+                  uintptr_t xnp);
 void rope(uintptr_t xp, int64_t m, int64_t n_heads, int64_t head_dim, uintptr_t posp, uintptr_t cosp,
           uintptr_t sinp, int64_t row_stride);
 
-// qkv rows [m, (H + 2 KV) * head_dim] (row_stride floats apart): RoPE on the q and k heads in
-// place, then k and v of token i copied into the paged caches at slot slot_mapping[i] (int64;
-// negative: not written). Caches [num_blocks * block_size, KV, head_dim] of kv_dtype.
+// qkv rows [m, (H + 2 KV) * head_dim] (row_stride floats apart): with q_norm / k_norm (weights
+// [head_dim]; 0: none) each q / k head RMS-normalized in place first (Qwen3, Gemma 3), then RoPE on the
+// q and k heads in place, then k and v of token i copied into the paged caches at slot slot_mapping[i]
+// (int64; negative: not written). Caches [num_blocks * block_size, KV, head_dim] of kv_dtype.
 void rope_and_cache(uintptr_t qkvp, int64_t m, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                     uintptr_t posp, uintptr_t cosp, uintptr_t sinp, uintptr_t kcp, uintptr_t vcp, uintptr_t slotp,
-                    int64_t row_stride, const std::string& kv_dtype, uintptr_t ksp, uintptr_t vsp);
+                    int64_t row_stride, const std::string& kv_dtype, uintptr_t ksp, uintptr_t vsp, uintptr_t qnp,
+                    uintptr_t knp, double eps);
 
 // out[m, n] = LayerNorm(x (+ residual)) * weight + bias; residual_ptr 0: none. Inputs are not written.
 void layer_norm(uintptr_t xp, uintptr_t rp, uintptr_t wp, uintptr_t bp, uintptr_t outp, int64_t m, int64_t n,
