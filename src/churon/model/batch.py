@@ -94,48 +94,54 @@ class ForwardBatch:
         num_groups = 1 + len(chunks[0].group_tables)
         if any(len(c.group_tables) != num_groups - 1 for c in chunks):
             raise ValueError("the sequence chunks of a batch must have one block table per KV group each")
-        seq_of_token = torch.repeat_interleave(torch.arange(len(chunks)), torch.tensor(query_start).diff())
-        groups = [_kv_tables([c.block_table if g == 0 else c.group_tables[g - 1] for c in chunks], chunks, block_size,
-                             seq_of_token) for g in range(num_groups)]
+        seq_of_token = [i for i, c in enumerate(chunks) for _ in range(c.start, len(c.token_ids))]
+        slot_mappings, block_tables, token_block_tables = _kv_tables(chunks, num_groups, block_size, seq_of_token)
         positions_t = torch.tensor(positions, dtype=torch.int64)
         lora_slots = lora_scales = None
         if any(c.lora_slot >= 0 for c in chunks):
-            lora_slots = torch.tensor([c.lora_slot for c in chunks], dtype=torch.int32)[seq_of_token]
-            lora_scales = torch.tensor([c.lora_scale for c in chunks], dtype=torch.float32)[seq_of_token]
-        slot_mapping, block_tables, token_block_tables = groups[0]
+            lora_slots = torch.tensor([chunks[i].lora_slot for i in seq_of_token], dtype=torch.int32)
+            lora_scales = torch.tensor([chunks[i].lora_scale for i in seq_of_token], dtype=torch.float32)
         batch = cls(
             input_ids=torch.tensor(ids, dtype=torch.int64),
             positions=positions_t,
-            slot_mapping=slot_mapping,
+            slot_mapping=slot_mappings[0],
             query_start=query_start,
             context_lens=context_lens,
-            block_tables=block_tables,
+            block_tables=block_tables[0],
             logits_indices=torch.tensor(logits_indices, dtype=torch.int64),
-            token_block_tables=token_block_tables,
+            token_block_tables=token_block_tables[0],
             token_context_lens=(positions_t + 1).to(torch.int32),
             lora_slots=lora_slots,
             lora_scales=lora_scales,
         )
-        batch.group_views = [replace(batch, slot_mapping=m, block_tables=t, token_block_tables=tt, group_views=[])
-                             for m, t, tt in groups[1:]]
+        batch.group_views = [replace(batch, slot_mapping=slot_mappings[g], block_tables=block_tables[g],
+                                     token_block_tables=token_block_tables[g], group_views=[])
+                             for g in range(1, num_groups)]
         return batch
 
 
-def _kv_tables(tables: Sequence[Sequence[int]], chunks: Sequence[SequenceChunk], block_size: int,
-               seq_of_token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One KV group's slot mapping [tokens], block tables [seqs, max_blocks] (padded with 0) and per-token tables,
-    from each chunk's table in that group."""
-    max_blocks = max(len(t) for t in tables)
-    padded: list[list[int]] = []
-    slots: list[int] = []
-    # plain Python per chunk: a few small torch ops per sequence took 2.8 ms of a 64-sequence
-    # decode step, this 0.6 ms
-    for table, c in zip(tables, chunks):
-        table = list(table)
-        padded.append(table + [0] * (max_blocks - len(table)))
-        slots.extend(table[pos // block_size] * block_size + pos % block_size for pos in range(c.start, len(c.token_ids)))
+def _kv_tables(chunks: Sequence[SequenceChunk], num_groups: int, block_size: int,
+               seq_of_token: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every KV group's slot mapping [groups, tokens], block tables [groups, seqs, max_blocks] (padded with 0) and
+    per-token tables [groups, tokens, max_blocks], from each chunk's table in each group; a group's are rows of
+    these, contiguous."""
+    # plain Python, one tensor each for all groups: a few small torch ops per sequence took 2.8 ms of a
+    # 64-sequence decode step, this 0.6 ms; one tensor per group cost Gemma 3's six groups 0.1 ms a decode step
+    max_blocks = max(len(t) for c in chunks for t in (c.block_table, *c.group_tables))
+    padded: list[list[list[int]]] = []
+    slots: list[list[int]] = []
+    for g in range(num_groups):
+        padded.append([])
+        slots.append([])
+        for c in chunks:
+            table = list(c.block_table if g == 0 else c.group_tables[g - 1])
+            padded[g].append(table + [0] * (max_blocks - len(table)))
+            slots[g].extend(table[pos // block_size] * block_size + pos % block_size
+                            for pos in range(c.start, len(c.token_ids)))
     block_tables = torch.tensor(padded, dtype=torch.int32)
-    return torch.tensor(slots, dtype=torch.int64), block_tables, block_tables[seq_of_token].contiguous()
+    if len(seq_of_token) == len(chunks):  # one token a sequence (decode): a token's table is its sequence's
+        return torch.tensor(slots, dtype=torch.int64), block_tables, block_tables
+    return torch.tensor(slots, dtype=torch.int64), block_tables, block_tables[:, seq_of_token].contiguous()
 
 
 @dataclass
