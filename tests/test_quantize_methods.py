@@ -76,11 +76,12 @@ def test_stats_match_the_inputs_of_a_reference_forward(llama_dir, llama_stats):
     assert llama_stats["token_embd.weight"].count == llama_stats["blk.0.attn_q.weight"].count  # tied logits
 
 
-@pytest.mark.parametrize("arch,fmt", [("llama", "gguf"), ("qwen2", "gguf"), ("qwen3", "hf")])
+@pytest.mark.parametrize("arch,fmt", [("llama", "gguf"), ("qwen2", "gguf"), ("qwen3", "hf"), ("gemma3", "gguf")])
 def test_layerwise_stats_match_a_reference_forward_at_every_layer(tmp_path, arch, fmt):
     """Calibration carries the windows' hidden states from block to block (one block's weights at a time);
     every layer's inputs, and the output matrix's, are those of transformers' whole-model forward.
-    llama from GGUF: q/k rows in llama.cpp's layout; qwen2: q/k/v biases; qwen3: q/k norms, untied output."""
+    llama from GGUF: q/k rows in llama.cpp's layout; qwen2: q/k/v biases; qwen3: q/k norms, untied output;
+    gemma3: the norms after attention and the MLP (the latter applied by calibration itself), scaled embeddings."""
     hf = make_hf_model(arch, tmp_path / "hf", tie_word_embeddings=arch != "qwen3")
     source = GGUFModel(write_gguf(hf, tmp_path / "m.gguf", "F32")) if fmt == "gguf" else HFModel(hf)
     stats = collect_stats(source, WINDOWS, hessian=True, progress=False)
