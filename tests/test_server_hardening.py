@@ -239,6 +239,37 @@ def _closed_within(sock: socket.socket, seconds: float, trickle: bytes = b"") ->
     return False, received
 
 
+# --- clients that leave: their requests aborted, their blocks freed ----------------------------
+# 6000 tokens: the tiny model's 240 took ~60 ms, about the client's 50 ms read timeout, so the request could end
+# before its client left
+
+def test_client_disconnect_aborts_the_request_and_frees_its_blocks(server):
+    before = metrics(server)
+    body = {"model": MODEL, "prompt": "a long story", "max_tokens": 6000, "stream": True, "ignore_eos": True}
+    with httpx.Client(timeout=30) as http:
+        with http.stream("POST", f"{server}/v1/completions", json=body) as response:
+            assert next(response.iter_lines()).startswith("data: ")  # it runs; now hang up
+    aborted = 'churon_request_finished_total{finished_reason="abort"}'
+    wait_for(lambda: metrics(server).get(aborted, 0) == before.get(aborted, 0) + 1)
+    after = metrics(server)
+    assert after["churon_num_requests_running"] == 0
+    assert after["churon_kv_cache_usage_ratio"] == before["churon_kv_cache_usage_ratio"]
+    length = 'churon_request_finished_total{finished_reason="length"}'
+    assert after.get(length, 0) == before.get(length, 0)  # it did not run to its end
+
+
+def test_client_leaving_a_non_streamed_request_aborts_it(server):
+    before = metrics(server)
+    body = {"model": MODEL, "prompt": "another long story", "max_tokens": 6000, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up long before 6000 tokens are done
+        httpx.post(f"{server}/v1/completions", json=body, timeout=httpx.Timeout(10, read=0.05))
+    aborted = 'churon_request_finished_total{finished_reason="abort"}'
+    wait_for(lambda: metrics(server).get(aborted, 0) == before.get(aborted, 0) + 1)
+    after = metrics(server)
+    assert after["churon_num_requests_running"] == 0
+    assert after["churon_kv_cache_usage_ratio"] == before["churon_kv_cache_usage_ratio"]
+
+
 def test_an_idle_connection_is_closed_after_the_header_timeout(server):
     with socket.create_connection(("127.0.0.1", int(server.rsplit(":", 1)[1]))) as sock:
         started = time.monotonic()
