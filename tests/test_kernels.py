@@ -256,6 +256,28 @@ def test_matmul_precise(isa, qtype, threads):
     assert torch.equal(y1, y)
 
 
+def _anon_huge_kb() -> int:
+    for line in open("/proc/self/smaps_rollup"):
+        if line.startswith("AnonHugePages:"):
+            return int(line.split()[1])
+    raise AssertionError("no AnonHugePages line in /proc/self/smaps_rollup")
+
+
+def test_small_matrices_share_huge_pages():
+    # a decode step streams every matrix from DRAM: hundreds of small ones (an expert's 576 KB), each on 4 KiB pages
+    # of its own allocation, would take a TLB miss every 4 KiB; they are packed into slabs backed by huge pages
+    thp = "/sys/kernel/mm/transparent_hugepage/enabled"
+    if not os.path.exists(thp) or "[never]" in open(thp).read() or not os.path.exists("/proc/self/smaps_rollup"):
+        pytest.skip("no transparent huge pages here (Linux THP off or absent)")
+    raw = np.zeros(1024 * 4 * 144, np.uint8)  # a 1024 x 1024 Q4_K matrix: 576 KB
+    before = _anon_huge_kb()
+    mats = [cpu.QMatrix(raw, int(T.Q4_K), 1024, 1024) for _ in range(48)]  # 27 MB in all
+    held = _anon_huge_kb() - before
+    assert held >= 16 * 1024, f"{held} KB of huge pages for 27 MB of matrices"
+    del mats  # the slabs go with their last matrix
+    assert _anon_huge_kb() - before < held
+
+
 def test_q5_0_matmul_equals_its_q8_0_blocks(isa):
     # Q5_0 (Gemma 3 270M's q, k, gate and up projections) has its own 5.5-bit layout; x = d * (L - 16) is also
     # the Q8_0 code L - 16 with the same scale, and both kernels take the offset out in the integer sum, so the

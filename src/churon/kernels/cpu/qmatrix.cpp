@@ -53,8 +53,8 @@ QMatrix::QMatrix(const uint8_t* raw, int64_t raw_bytes, bool raw_contiguous, int
     w_.nunits = 1;
     w_.unit_bytes = cols * ts;  // one row
     w_.group_bytes = w_.unit_bytes * kGroupRows;
-    buf_.reserve(size_t(want) + 64);
-    std::memcpy(buf_.p, raw, size_t(want));
+    mem_ = WeightMemory(size_t(want) + 64);
+    std::memcpy(mem_.data(), raw, size_t(want));
     layout_ = std::string(name) + " row-major (GGUF rows unchanged)";
     nbytes_ = want;
   } else {
@@ -63,12 +63,12 @@ QMatrix::QMatrix(const uint8_t* raw, int64_t raw_bytes, bool raw_contiguous, int
     w_.unit_bytes = unit_bytes_of(w_.qtype);
     w_.group_bytes = w_.nunits * w_.unit_bytes;
     nbytes_ = w_.ngroups * w_.group_bytes;
-    buf_.reserve(size_t(nbytes_) + 64);
-    repack_x16(w_, raw, buf_.p);
+    mem_ = WeightMemory(size_t(nbytes_) + 64);
+    repack_x16(w_, raw, mem_.data());
     layout_ = std::string(name) + " repacked x16 rows (" + std::to_string(w_.unit_cols) + "-column units of " +
               std::to_string(w_.unit_bytes) + " bytes)";
   }
-  w_.data = buf_.p;
+  w_.data = mem_.data();
 }
 
 void QMatrix::matmul(uintptr_t xp, uintptr_t yp, int64_t m, uintptr_t biasp, bool precise) {

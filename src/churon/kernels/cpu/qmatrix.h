@@ -9,6 +9,7 @@
 
 #include "common.h"
 #include "driver.h"
+#include "weight_memory.h"
 
 namespace churon {
 
@@ -35,7 +36,7 @@ class QMatrix {
 
  private:
   QWeights w_;
-  Buffer buf_;
+  WeightMemory mem_;
   std::string layout_;
   int64_t nbytes_ = 0;
 };
