@@ -1,6 +1,7 @@
 """The whole model on the native kernels: close to the reference path, and each token's logits
 bit for bit the same whatever else shares its batch, however its prompt is chunked."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -65,33 +66,53 @@ def test_native_llama_3_2(qtype, tmp_path):
     assert_native_close(model_path(hf, qtype, tmp_path), TOLERANCE[qtype])
 
 
-def test_fused_parts_of_mixed_types_run_part_by_part():
+def test_fused_parts_of_mixed_types_run_as_one_matrix(isa, threads):
     """llama.cpp's Q4_K_M stores a Q6_K v beside Q4_K q and k in half the layers: their fused q/k/v (a RowStack)
-    runs each part's matmul on its own bytes, not as float32: bitwise each part alone, side by side (bias split
-    with them), near the reference's float32 matmul, at the parts' size."""
+    runs as one matrix on the parts' own bytes (a QMatrixStack), not as float32: each part's columns bitwise that
+    part's matmul alone (bias split with them) for any number of rows, on every ISA and thread count, a float part
+    beside quantized ones included; near the reference's float32 matmul, at the parts' size."""
     from gguf import GGMLQuantizationType as T
 
     from churon.formats.gguf import GGUFTensor
     from churon.formats.quants import quantize
-    from churon.model.native_backend import NativeBackend, StackedMatrix
+    from churon.model.native_backend import NativeBackend
     from churon.model.reference_backend import ReferenceBackend
     from churon.model.weights import RowStack, concat_rows
 
     torch.manual_seed(0)
+    # 40 rows: a part ending inside a row group; F16 last: a float part after quantized ones
+    shapes = [(T.Q4_K, 64), (T.Q4_K, 40), (T.Q6_K, 32), (T.F16, 24)]
     parts = [GGUFTensor(f"p{i}", (rows, 256), t, quantize(torch.randn(rows, 256), t).reshape(-1))
-             for i, (t, rows) in enumerate([(T.Q4_K, 64), (T.Q4_K, 32), (T.Q6_K, 32)])]
+             for i, (t, rows) in enumerate(shapes)]
     w = concat_rows(parts)
-    assert isinstance(w, RowStack) and w.shape == (128, 256)
+    assert isinstance(w, RowStack) and w.shape == (160, 256)
     native = NativeBackend()
     m = native.matrix(w)
-    assert isinstance(m, StackedMatrix) and m.nbytes == sum(native.matrix(p).nbytes for p in parts) < 128 * 256 * 4
-    x, bias = torch.randn(5, 256), torch.randn(128)
-    y = native.linear(m, x, bias)
-    alone = [native.linear(native.matrix(p), x, b) for p, b in zip(parts, bias.split([64, 32, 32]))]
-    assert torch.equal(y, torch.cat(alone, dim=1))
+    assert (m.rows, m.cols) == (160, 256)
+    assert m.nbytes == sum(native.matrix(p).nbytes for p in parts) < 160 * 256 * 2
+    assert m.layout.count(" + ") == 3 and "Q6_K" in m.layout
+    bias = torch.randn(160)
     reference = ReferenceBackend()
-    want = reference.linear(reference.matrix(w), x, bias)
-    assert (y - want).abs().max() < 0.02 * want.abs().max()
+    ref_w = reference.matrix(w)
+    for n_threads in (1, 2):
+        threads(n_threads)
+        for rows in (1, 5, 17):
+            x = torch.randn(rows, 256)
+            y = native.linear(m, x, bias)
+            alone = [native.linear(native.matrix(p), x, b) for p, b in zip(parts, bias.split([r for _, r in shapes]))]
+            assert torch.equal(y, torch.cat(alone, dim=1))
+            assert torch.equal(native.linear(m, x), torch.cat([native.linear(native.matrix(p), x) for p in parts], 1))
+            want = reference.linear(ref_w, x, bias)
+            assert (y - want).abs().max() < 0.02 * want.abs().max()
+
+
+def test_a_stack_of_parts_with_different_columns_is_an_error():
+    a = kernels.cpu.QMatrix(np.zeros(16 * 32 * 4, np.uint8), 0, 16, 32)
+    b = kernels.cpu.QMatrix(np.zeros(16 * 64 * 4, np.uint8), 0, 16, 64)
+    with pytest.raises(ValueError, match="part 1 has 64 columns, part 0 32"):
+        kernels.cpu.QMatrixStack([a, b])
+    with pytest.raises(ValueError, match="at least one part"):
+        kernels.cpu.QMatrixStack([])
 
 
 def test_native_gpt_oss_mxfp4_experts_run_as_q8_0(tmp_path):

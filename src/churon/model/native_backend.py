@@ -43,8 +43,8 @@ class NativeBackend:
         self.cpu = kernels.cpu
 
     def matrix(self, w: RawWeight):
-        if isinstance(w, RowStack):
-            return StackedMatrix([self.matrix(p) for p in w.parts])
+        if isinstance(w, RowStack):  # each part on its stored bytes, run as one matrix
+            return self.cpu.QMatrixStack([self.matrix(p) for p in w.parts])
         if isinstance(w, GGUFTensor) and w.qtype == GGMLQuantizationType.MXFP4:
             # gpt-oss's experts: as Q8_0 blocks of the same values when every scale fits an fp16, else float32
             q8 = mxfp4_as_q8_0(w.data)
@@ -66,9 +66,6 @@ class NativeBackend:
         return out
 
     def linear(self, w, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if isinstance(w, StackedMatrix):  # each part's matmul on its stored bytes, their outputs side by side
-            biases = bias.split(w.part_rows) if bias is not None else [None] * len(w.parts)
-            return torch.cat([self.linear(p, x, b) for p, b in zip(w.parts, biases)], dim=1)
         x = x.contiguous()
         y = torch.empty(x.shape[0], w.rows)
         w.matmul(x.data_ptr(), y.data_ptr(), x.shape[0], bias.data_ptr() if bias is not None else 0)
@@ -208,18 +205,6 @@ class NativeBackend:
         """y[t] += B_s @ (scales[t] * (A_s @ x[t])) in place, the step's tokens grouped by adapter; a token's
         bits depend only on its own row, slot and scale (not on the batch, its position or the thread count)."""
         ops.lora_add(y, x, stack, slots, scales)
-
-
-class StackedMatrix:
-    """A RowStack on the native kernels: each part a QMatrix of its own type; a matmul's output is theirs side by
-    side (a row's bits the same as each part's alone: every part's matmul is row-independent)."""
-
-    def __init__(self, parts: list):
-        self.parts = parts
-        self.part_rows = [p.rows for p in parts]
-        self.rows, self.cols = sum(self.part_rows), parts[0].cols
-        self.nbytes = sum(p.nbytes for p in parts)
-        self.layout = " + ".join(p.layout for p in parts)
 
 
 def _scale_ptrs(cache: KVCache, layer: int) -> tuple[int, int]:

@@ -72,6 +72,7 @@ struct QWeights {
   int64_t nunits = 0;      // cols / unit_cols
   int64_t unit_bytes = 0;  // bytes of one group-unit (float types: bytes of one row)
   int64_t group_bytes = 0; // nunits * unit_bytes (float types: 16 rows)
+  int64_t ldy = 0;         // the output's row stride: rows, or a QMatrixStack's (its parts' sum)
   const uint8_t* data = nullptr;
 };
 

@@ -315,7 +315,7 @@ void float_rows(const QWeights& w, const float* x, int64_t m0, float* y, const f
     const float* xr = x + (m0 + t) * n;
     for (int64_t kk = k; kk < n; ++kk) v = v + float_weight(w, row, kk) * xr[kk];
 #endif
-    y[(m0 + t) * w.rows + r] = bias ? v + bias[r] : v;
+    y[(m0 + t) * w.ldy + r] = bias ? v + bias[r] : v;
   }
 }
 constexpr int kFloatTile = 4;
@@ -332,7 +332,7 @@ void float_rows(const QWeights& w, const float* x, int64_t m0, float* y, const f
       for (int i = 0; i < 8; ++i) a[i] = a[i] + float_weight(w, row, k + i) * xr[k + i];
     float v = ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
     for (; k < n; ++k) v = v + float_weight(w, row, k) * xr[k];
-    y[(m0 + t) * w.rows + r] = bias ? v + bias[r] : v;
+    y[(m0 + t) * w.ldy + r] = bias ? v + bias[r] : v;
   }
 }
 constexpr int kFloatTile = 1;

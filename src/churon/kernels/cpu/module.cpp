@@ -137,6 +137,17 @@ PYBIND11_MODULE(_cpu, m) {
       .def("dequantize_rows", &QMatrix::dequantize_rows, py::arg("ids_ptr"), py::arg("n"), py::arg("out_ptr"),
            "out[n, cols] = the dequantized rows ids[n] (int64): an embedding lookup.");
 
+  py::class_<QMatrixStack>(m, "QMatrixStack")
+      .def(py::init<const std::vector<const QMatrix*>&>(), py::arg("parts"), py::keep_alive<1, 2>(),
+           "QMatrix parts of one column count stacked by rows, run as one matrix (the list is kept alive).")
+      .def_property_readonly("rows", &QMatrixStack::rows)
+      .def_property_readonly("cols", &QMatrixStack::cols)
+      .def_property_readonly("layout", &QMatrixStack::layout)
+      .def_property_readonly("nbytes", &QMatrixStack::nbytes)
+      .def("matmul", &QMatrixStack::matmul, py::arg("x_ptr"), py::arg("y_ptr"), py::arg("m"), py::arg("bias_ptr") = 0,
+           "y[m, rows] = x[m, cols] @ W^T (+ bias[rows]), W the parts stacked; float32, C-contiguous; each"
+           " part's columns of y bitwise its own matmul's.");
+
   py::class_<MoeExperts>(m, "MoeExperts")
       .def(py::init<const std::vector<const QMatrix*>&, const std::vector<const QMatrix*>&>(), py::arg("gate_up"),
            py::arg("down"), py::keep_alive<1, 2>(), py::keep_alive<1, 3>(),

@@ -1,5 +1,5 @@
-// QMatrix (see qmatrix.h): construction, and the parallel drivers of its matmul and
-// dequantization around the kernels of the current ISA.
+// QMatrix and QMatrixStack (see qmatrix.h): construction, and the parallel drivers of their matmuls
+// and of dequantization around the kernels of the current ISA.
 
 #include "qmatrix.h"
 
@@ -48,6 +48,7 @@ QMatrix::QMatrix(const uint8_t* raw, int64_t raw_bytes, bool raw_contiguous, int
   w_.rows = rows;
   w_.cols = cols;
   w_.ngroups = (rows + kGroupRows - 1) / kGroupRows;
+  w_.ldy = rows;
   if (qtype == kF32 || qtype == kF16 || qtype == kBF16) {
     w_.unit_cols = cols;
     w_.nunits = 1;
@@ -111,6 +112,70 @@ void QMatrix::matmul(uintptr_t xp, uintptr_t yp, int64_t m, uintptr_t biasp, boo
         const float v = y2[i * rows + r] + y2[n + i * rows + r];
         y[i * rows + r] = bias ? v + bias[r] : v;
       }
+  });
+}
+
+QMatrixStack::QMatrixStack(const std::vector<const QMatrix*>& parts) : parts_(parts) {
+  if (parts.empty()) throw std::invalid_argument("QMatrixStack: needs at least one part");
+  for (size_t i = 0; i < parts.size(); ++i) {
+    if (!parts[i]) throw std::invalid_argument("QMatrixStack: part " + std::to_string(i) + " is None");
+    if (parts[i]->cols() != parts[0]->cols())
+      throw std::invalid_argument("QMatrixStack: part " + std::to_string(i) + " has " +
+                                  std::to_string(parts[i]->cols()) + " columns, part 0 " +
+                                  std::to_string(parts[0]->cols()) + ": stacked rows need the same columns");
+  }
+  int64_t groups = 0;
+  for (const QMatrix* p : parts) {
+    row0_.push_back(rows_);
+    group0_.push_back(groups);
+    rows_ += p->rows();
+    groups += p->weights().ngroups;
+  }
+  row0_.push_back(rows_);
+  group0_.push_back(groups);
+  for (const QMatrix* p : parts) {
+    QWeights w = p->weights();
+    w.ldy = rows_;
+    weights_.push_back(w);
+  }
+}
+
+int64_t QMatrixStack::nbytes() const {
+  int64_t n = 0;
+  for (const QMatrix* p : parts_) n += p->nbytes();
+  return n;
+}
+
+std::string QMatrixStack::layout() const {
+  std::string s;
+  for (const QMatrix* p : parts_) s += (s.empty() ? "" : " + ") + p->layout();
+  return s;
+}
+
+void QMatrixStack::matmul(uintptr_t xp, uintptr_t yp, int64_t m, uintptr_t biasp) const {
+  if (m < 0) throw std::invalid_argument("matmul: m must be >= 0");
+  if (m == 0) return;
+  const float* x = ptr<const float>(xp, "matmul: x");
+  float* y = ptr<float>(yp, "matmul: y");
+  const float* bias = biasp ? reinterpret_cast<const float*>(biasp) : nullptr;
+  const KernelTable* k = kt();
+  bool any_quantized = false;
+  for (const QMatrix* p : parts_) any_quantized = any_quantized || p->quantized();
+  ActQ a;
+  if (any_quantized) {  // the same 8-bit rows whatever the type: quantized once for every part
+    a = act_in(g_act_buf, m, cols());
+    quantize_rows(k, x, m, a);
+  }
+  const int64_t n = int64_t(parts_.size());
+  parallel_for(group0_[n], kMatmulGrain, [&](int64_t b, int64_t e, int) {
+    int64_t i = 0;
+    while (b < e) {  // a claim may span the end of one part's groups and the start of the next's
+      while (group0_[i + 1] <= b) ++i;
+      const int64_t g1 = std::min(e, group0_[i + 1]);
+      k->gemm(weights_[i], parts_[i]->quantized() ? a : ActQ(), x, m, y + row0_[i], bias ? bias + row0_[i] : nullptr,
+              b - group0_[i], g1 - group0_[i]);
+      b = g1;
+    }
   });
 }
 

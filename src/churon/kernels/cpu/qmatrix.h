@@ -1,6 +1,6 @@
 // QMatrix: one weight matrix in the layout the kernels read (see common.h), and the parallel
-// drivers of its matmul and dequantization; MoeExperts: an MoE layer's routed experts, run in one
-// call (moe.cpp).
+// drivers of its matmul and dequantization; QMatrixStack: matrices of several types stacked by rows,
+// run as one; MoeExperts: an MoE layer's routed experts, run in one call (moe.cpp).
 #pragma once
 
 #include <cstdint>
@@ -39,6 +39,29 @@ class QMatrix {
   WeightMemory mem_;
   std::string layout_;
   int64_t nbytes_ = 0;
+};
+
+// Matrices of different types stacked by rows, [sum of their rows, cols] (llama.cpp's Q4_K_M puts a
+// Q6_K v beside Q4_K q and k in half the layers: no one layout holds all three). One matmul runs them
+// all: x quantized once, every part's row groups in one parallel_for, each part's outputs in its own
+// columns of y; a row's bits are each part's own matmul's. The parts are borrowed: they must outlive
+// this object (the Python binding keeps them alive).
+class QMatrixStack {
+ public:
+  explicit QMatrixStack(const std::vector<const QMatrix*>& parts);
+
+  int64_t rows() const { return rows_; }
+  int64_t cols() const { return parts_[0]->cols(); }
+  int64_t nbytes() const;
+  std::string layout() const;
+
+  void matmul(uintptr_t xp, uintptr_t yp, int64_t m, uintptr_t biasp) const;
+
+ private:
+  std::vector<const QMatrix*> parts_;
+  std::vector<QWeights> weights_;  // the parts' weights, writing rows of y of the stack's width
+  std::vector<int64_t> row0_, group0_;  // each part's first row and first row group in the stack (+ the ends)
+  int64_t rows_ = 0;
 };
 
 // The routed experts of one MoE layer: expert e's gate and up projections stacked by rows
