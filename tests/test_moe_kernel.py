@@ -177,3 +177,65 @@ def test_experts_of_different_shapes_are_refused(backend, q4):
         kernels.cpu.MoeExperts([q4.gate_up[0], small.down[0]], q4.down[:2])
     with pytest.raises(ValueError, match="as many down matrices"):
         kernels.cpu.MoeExperts([], [])
+
+
+# --- routing in the same call: the softmax routers' (every MoE family but gpt-oss) ------------------------------
+
+def make_router(backend, qtype: Q, seed: int):
+    """A router at a trained model's decisive scale (3x N(0, 1 / hidden)): top-k choices rarely near a tie."""
+    w = torch.randn(EXPERTS, HIDDEN, generator=torch.Generator().manual_seed(seed)) * 3 * HIDDEN**-0.5
+    return backend.matrix(w if qtype == Q.F32 else quantized(w, qtype, "router")), w
+
+
+@pytest.mark.parametrize("router_type", [Q.F32, Q.Q8_0], ids=["f32", "q8_0"])
+@pytest.mark.parametrize("normalize", [False, True], ids=["weights", "normalize"])
+@pytest.mark.parametrize("tokens, k", [(1, 4), (37, 2), (300, 8)])
+def test_routed_experts_route_as_torch_does(backend, isa, q4, router_type, normalize, tokens, k):
+    """The experts torch's softmax and top-k choose from the same router logits, best first; the output within
+    float32 rounding of moe_experts on torch's weights (the softmax's exps are std::exp's, not torch's)."""
+    from churon.model.backend import softmax_top_k
+
+    router, _ = make_router(backend, router_type, seed=61)
+    h = hidden_states(tokens, seed=62)
+    weights, chosen = softmax_top_k(backend.linear(router, h), k)
+    want = backend.moe_experts(q4, h, chosen, weights, normalize)
+    out = backend.routed_experts(router, q4, h, k, normalize)
+    assert torch.allclose(out, want, rtol=1e-5, atol=1e-6 * want.abs().max())
+    # the same choices: the output changes far more than rounding when any token's experts or order differ
+    swapped = backend.moe_experts(q4, h, chosen.flip(-1), weights, normalize)
+    assert k == 1 or not torch.allclose(swapped, want, rtol=1e-5, atol=1e-6 * want.abs().max())
+
+
+def test_routed_experts_a_token_s_bits_do_not_depend_on_its_batch(backend, experts, threads):
+    router, _ = make_router(backend, Q.Q8_0, seed=63)
+    h = hidden_states(40, seed=64)
+    threads(2)
+    batch = backend.routed_experts(router, experts, h, 4, True)
+    threads(1)
+    for t in (0, 17, 39):
+        assert torch.equal(backend.routed_experts(router, experts, h[t:t + 1], 4, True)[0], batch[t])
+
+
+def test_a_nan_row_fails_alone_in_routed_experts(backend, q4):
+    # a request whose hidden state went NaN gets NaN out (its logits show the failure); the batch's others are unhurt
+    router, _ = make_router(backend, Q.F32, seed=65)
+    h = hidden_states(5, seed=66)
+    h[2] = float("nan")
+    out = backend.routed_experts(router, q4, h, 4, True)
+    assert out[2].isnan().all()
+    for t in (0, 1, 3, 4):
+        assert torch.equal(out[t], backend.routed_experts(router, q4, h[t:t + 1], 4, True)[0])
+
+
+def test_routed_experts_bad_inputs_are_value_errors(backend, q4):
+    router, w = make_router(backend, Q.F32, seed=67)
+    h = hidden_states(3, seed=68)
+    with pytest.raises(ValueError, match=r"k must be in \[1, 8\], got 0"):
+        backend.routed_experts(router, q4, h, 0)
+    with pytest.raises(ValueError, match=r"k must be in \[1, 8\], got 9"):
+        backend.routed_experts(router, q4, h, 9)
+    with pytest.raises(ValueError, match=r"the router must be 8 x 256 \(experts x hidden\), got 7 x 256"):
+        backend.routed_experts(backend.matrix(w[:7].contiguous()), q4, h, 2)
+    with pytest.raises(ValueError, match=r"h must be \[tokens, 256\]"):
+        backend.routed_experts(router, q4, torch.zeros(3, HIDDEN + 32), 2)
+    assert backend.routed_experts(router, q4, torch.empty(0, HIDDEN), 2).shape == (0, HIDDEN)

@@ -264,6 +264,19 @@ def moe_experts(experts, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tens
     return out
 
 
+def routed_experts(experts, router, h: torch.Tensor, k: int, normalize: bool = False) -> torch.Tensor:
+    """moe_experts with the softmax router's routing in the same call (churon._cpu.MoeExperts.forward_routed):
+    router a QMatrix [experts, hidden]; each token's k most probable experts under the float32 softmax of its
+    logits, best first, their probabilities the weights (renormalized with normalize)."""
+    if not (h.dtype is torch.float32 and h.is_cpu and h.dim() == 2 and h.shape[1] == experts.hidden
+            and h.is_contiguous()):
+        _check(h, "h")
+        raise ValueError(f"h must be [tokens, {experts.hidden}] (the experts' hidden size), got {tuple(h.shape)}")
+    out = torch.empty(h.shape[0], experts.hidden)
+    experts.forward_routed(router, h.data_ptr(), h.shape[0], k, out.data_ptr(), normalize)
+    return out
+
+
 def _moe_argument_error(experts, h, ids, weights):
     for t, name, dtype in ((h, "h", torch.float32), (ids, "ids", torch.int64), (weights, "weights", torch.float32)):
         _check(t, name, dtype)

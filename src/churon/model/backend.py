@@ -126,6 +126,14 @@ class Backend(Protocol):
         result independent of the batch and of the thread count."""
         ...
 
+    def routed_experts(self, router: Any, experts: Experts, h: torch.Tensor, k: int,
+                       normalize: bool = False) -> torch.Tensor:
+        """The routed MLP of the softmax routers (every MoE family but gpt-oss) on h [tokens, hidden]: the router's
+        logits (router [experts, hidden], from matrix()), each token's k most probable experts under their float32
+        softmax (softmax_top_k), moe_experts over them. On the native backend one call, row by row: a token's experts
+        and result do not depend on the batch."""
+        ...
+
     def geglu(self, gate_up: torch.Tensor) -> torch.Tensor: ...  # gelu_tanh(gate) * up (Gemma's MLP)
 
     # gpt-oss's experts: gate clamped to at most limit, up to [-limit, limit], (up + 1) * gate * sigmoid(alpha * gate)
@@ -170,6 +178,13 @@ def experts_one_by_one(b: Backend, experts: Experts, h: torch.Tensor, chosen: to
         y = expert(e, h[tokens])
         per_rank[tokens, ranks] = y * weights[tokens, ranks, None].to(y.dtype)
     return sum_columns(per_rank)
+
+
+def softmax_top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights, chosen) [tokens, k]: each row's k most probable experts, best first, and their probabilities under
+    the float32 softmax of the router's logits."""
+    weights, chosen = torch.topk(torch.softmax(logits.float(), dim=-1), k, dim=-1)
+    return weights, chosen
 
 
 def sum_columns(x: torch.Tensor) -> torch.Tensor:

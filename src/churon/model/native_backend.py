@@ -162,6 +162,12 @@ class NativeBackend:
         same call; bitwise what experts_one_by_one gives on this backend."""
         return ops.moe_experts(experts.kernel, h.contiguous(), chosen.contiguous(), weights.contiguous(), normalize)
 
+    def routed_experts(self, router, experts: Experts, h: torch.Tensor, k: int, normalize: bool = False) -> torch.Tensor:
+        """Routing and experts in one call (churon._cpu.MoeExperts.forward_routed): the router's matmul, its
+        softmax and top k in C++, then what moe_experts runs; the softmax's exps are std::exp's, within an ulp or so
+        of torch's."""
+        return ops.routed_experts(experts.kernel, router, h.contiguous(), k, normalize)
+
     def geglu(self, gate_up: torch.Tensor) -> torch.Tensor:
         n = gate_up.shape[-1] // 2
         out = torch.empty(gate_up.shape[0], n)

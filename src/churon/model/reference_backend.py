@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from churon.kernels.ops import check_seq_starts
-from churon.model.backend import Experts, KVCache, experts_one_by_one
+from churon.model.backend import Experts, KVCache, experts_one_by_one, softmax_top_k
 from churon.model.batch import ForwardBatch, slots_of
 from churon.model.weights import RawWeight, dense
 
@@ -110,6 +110,11 @@ class ReferenceBackend:
     def moe_experts(self, experts: Experts, h: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
                     normalize: bool = False) -> torch.Tensor:
         return experts_one_by_one(self, experts, h, chosen, weights, normalize)
+
+    def routed_experts(self, router: torch.Tensor, experts: Experts, h: torch.Tensor, k: int,
+                       normalize: bool = False) -> torch.Tensor:
+        weights, chosen = softmax_top_k(self.linear(router, h), k)
+        return self.moe_experts(experts, h, chosen, weights, normalize)
 
     def geglu(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from churon.config import ModelConfig
-from churon.model.backend import Backend, KVCache, SequenceCache, experts_one_by_one
+from churon.model.backend import Backend, KVCache, SequenceCache, experts_one_by_one, softmax_top_k
 from churon.model.batch import ForwardBatch, SequenceChunk
 from churon.model.lora import LoraSlots
 from churon.model.reference_backend import ReferenceBackend
@@ -343,24 +343,28 @@ class DecoderBlock:
         """The routed MLP of h [tokens, hidden]: each token's top-k experts' SwiGLU outputs, weighted by the router's
         probabilities, summed in the order of the token's own ranking (plus the shared expert's, gated).
 
-        The experts run in backend.moe_experts (each one's matmuls once over its tokens; on the native kernels one call
-        per layer); on the native kernels a row's result does not depend on the other rows, and the routing below is
-        row by row (softmax and top-k along each row, then elementwise products and sums), so a token's bits do not
-        depend on its batch."""
+        The experts run in backend.routed_experts, or after gpt-oss's routing here in backend.moe_experts (each one's
+        matmuls once over its tokens; on the native kernels one call per layer, the softmax routers' routing in it); on
+        the native kernels a row's result does not depend on the other rows, and the routing is row by row (softmax and
+        top-k along each row, then elementwise products and sums), so a token's bits do not depend on its batch."""
         b, c = self.backend, self.config
-        logits = b.linear(layer.router, h, layer.router_bias).float()
-        if c.router_topk_first:  # gpt-oss: the k largest logits, then a softmax over just those
-            weights, chosen = torch.topk(logits, c.num_experts_per_tok, dim=-1)
-            weights = torch.softmax(weights, dim=-1)
+        k = c.num_experts_per_tok
+        if c.expert_form == "swiglu" and layer.router_bias is None and not c.router_topk_first:
+            # the softmax routers (every family but gpt-oss): routing and experts in one backend call; norm_topk_prob:
+            # the k weights renormalized to sum to 1 inside it
+            out = b.routed_experts(layer.router, layer.experts, h, k, normalize=c.norm_topk_prob)
         else:
-            weights, chosen = torch.topk(torch.softmax(logits, dim=-1), c.num_experts_per_tok, dim=-1)  # best first
-        if c.expert_form == "clamped_swiglu":  # gpt-oss's experts, with biases: one expert at a time
-            out = experts_one_by_one(b, layer.experts, h, chosen, weights, c.norm_topk_prob,
-                                     lambda e, x: self.clamped_expert(layer, e, x))
-        else:
-            # norm_topk_prob: the k weights renormalized to sum to 1, inside moe_experts (on the native backend a
-            # handful of small torch ops a layer fewer)
-            out = b.moe_experts(layer.experts, h, chosen, weights, normalize=c.norm_topk_prob)
+            logits = b.linear(layer.router, h, layer.router_bias).float()
+            if c.router_topk_first:  # gpt-oss: the k largest logits, then a softmax over just those
+                weights, chosen = torch.topk(logits, k, dim=-1)
+                weights = torch.softmax(weights, dim=-1)
+            else:
+                weights, chosen = softmax_top_k(logits, k)
+            if c.expert_form == "clamped_swiglu":  # gpt-oss's experts, with biases: one expert at a time
+                out = experts_one_by_one(b, layer.experts, h, chosen, weights, c.norm_topk_prob,
+                                         lambda e, x: self.clamped_expert(layer, e, x))
+            else:
+                out = b.moe_experts(layer.experts, h, chosen, weights, normalize=c.norm_topk_prob)
         if layer.shared_gate_up is not None:
             shared = b.linear(layer.shared_down, b.swiglu(b.linear(layer.shared_gate_up, h)))
             logit = b.linear(layer.shared_gate, h).float()

@@ -163,5 +163,10 @@ PYBIND11_MODULE(_cpu, m) {
            " float32 [tokens, hidden], C-contiguous; w = weights, or normalize: weights[t, r] divided by the"
            " sum of weights[t] added in rank order. Bitwise what each expert's matmul, swiglu and the float32"
            " products and sums give one expert at a time, whatever the batch and the thread count. An id"
-           " outside [0, num_experts) raises IndexError.");
+           " outside [0, num_experts) raises IndexError.")
+      .def("forward_routed", &MoeExperts::forward_routed, py::arg("router"), py::arg("h_ptr"), py::arg("tokens"),
+           py::arg("k"), py::arg("out_ptr"), py::arg("normalize") = false,
+           "forward with the softmax router's routing in the same call: router (a QMatrix [num_experts, hidden])"
+           " logits of h, their float32 softmax, each token's k most probable experts best first (ties: the lower"
+           " id), their probabilities as the weights; a token's result does not depend on the batch.");
 }

@@ -7,6 +7,7 @@
 // token's result is what one QMatrix::matmul per expert gives.
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -25,6 +26,10 @@ namespace {
 // their quantization, down's outputs
 Buffer g_tok_act, g_pair_act, g_pair_x, g_gate_up, g_mid, g_mid_act, g_down;
 std::vector<int64_t> g_start, g_cursor, g_pos, g_src, g_used;
+// forward_routed's router logits (softmaxed in place), and the experts and weights it chose
+std::vector<float> g_logits, g_route_w;
+std::vector<int64_t> g_route_ids;
+std::vector<uint8_t> g_taken;
 
 std::string shape(const QMatrix& w) { return std::to_string(w.rows()) + " x " + std::to_string(w.cols()); }
 
@@ -170,6 +175,47 @@ void MoeExperts::forward(uintptr_t hp, int64_t tokens, uintptr_t idsp, uintptr_t
       }
     }
   });
+}
+
+void MoeExperts::forward_routed(QMatrix& router, uintptr_t hp, int64_t tokens, int64_t k, uintptr_t outp,
+                                bool normalize) const {
+  const int64_t n_exp = num_experts();
+  if (router.rows() != n_exp || router.cols() != hidden_)
+    throw std::invalid_argument("moe_experts: the router must be " + std::to_string(n_exp) + " x " +
+                                std::to_string(hidden_) + " (experts x hidden), got " + shape(router));
+  if (k < 1 || k > n_exp)
+    throw std::invalid_argument("moe_experts: k must be in [1, " + std::to_string(n_exp) + "], got " +
+                                std::to_string(k));
+  if (tokens < 0) throw std::invalid_argument("moe_experts: tokens must be >= 0, got " + std::to_string(tokens));
+  if (tokens == 0) return;
+  g_logits.resize(size_t(tokens * n_exp));
+  router.matmul(hp, reinterpret_cast<uintptr_t>(g_logits.data()), tokens, 0, false);
+  g_route_ids.resize(size_t(tokens * k));
+  g_route_w.resize(size_t(tokens * k));
+  for (int64_t t = 0; t < tokens; ++t) {  // a handful of experts a token: not worth the threads
+    float* p = g_logits.data() + t * n_exp;
+    float mx = p[0];
+    for (int64_t e = 1; e < n_exp; ++e) mx = std::max(mx, p[e]);
+    float sum = 0.0f;
+    for (int64_t e = 0; e < n_exp; ++e) {
+      p[e] = std::exp(p[e] - mx);
+      sum = sum + p[e];
+    }
+    for (int64_t e = 0; e < n_exp; ++e) p[e] = p[e] / sum;
+    // selection: k passes over the experts not yet taken; a NaN row (the request's own failure, which its
+    // logits will show) takes its first k experts, with NaN weights
+    g_taken.assign(size_t(n_exp), 0);
+    for (int64_t r = 0; r < k; ++r) {
+      int64_t best = -1;
+      for (int64_t e = 0; e < n_exp; ++e)
+        if (!g_taken[e] && (best < 0 || p[e] > p[best])) best = e;
+      g_taken[best] = 1;
+      g_route_ids[t * k + r] = best;
+      g_route_w[t * k + r] = p[best];
+    }
+  }
+  forward(hp, tokens, reinterpret_cast<uintptr_t>(g_route_ids.data()), reinterpret_cast<uintptr_t>(g_route_w.data()),
+          k, outp, normalize);
 }
 
 }  // namespace churon

@@ -89,6 +89,11 @@ class MoeExperts {
   // out float32 [tokens, hidden]; all C-contiguous
   void forward(uintptr_t hp, int64_t tokens, uintptr_t idsp, uintptr_t weightsp, int64_t k, uintptr_t outp,
                bool normalize) const;
+  // forward with the routing of the softmax-router families (all but gpt-oss) in the same call: the router's
+  // logits of h ([experts, hidden]), their float32 softmax (max subtracted, the exps summed in expert order),
+  // each token's k most probable experts, best first (a tie: the lower id first), their probabilities as
+  // the weights. Row by row, so a token's experts and result do not depend on the batch.
+  void forward_routed(QMatrix& router, uintptr_t hp, int64_t tokens, int64_t k, uintptr_t outp, bool normalize) const;
 
  private:
   std::vector<const QMatrix*> gate_up_, down_;
