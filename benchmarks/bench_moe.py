@@ -13,7 +13,10 @@ Each figure is the median of --repeats runs after one warm-up; the ratios are ch
 each engine's first greedy tokens on the 8-token prompt are printed: they must agree (else the file or an engine
 is wrong, and no figure means anything).
 
-    python benchmarks/bench_moe.py [--threads 2] [--repeats 5] [--work-dir DIR] [--json out.json]
+    python benchmarks/bench_moe.py [--threads 2] [--repeats 5] [--rounds 1] [--work-dir DIR] [--json out.json]
+
+On a shared host, --rounds 5 or more: the engines run in turn, each round's ratio from figures taken minutes
+apart at most, and the median of the rounds' ratios is reported.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -154,6 +158,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run both engines this many times, in turn; the ratios are the median of the rounds'")
     parser.add_argument("--work-dir", type=Path, default=Path("/tmp/churon-bench-moe"),
                         help="where the model is built once and reused")
     parser.add_argument("--kernels", default="auto", choices=["auto", "native", "reference"], help="churon's kernels")
@@ -190,33 +196,43 @@ def main() -> None:
     print(f"{path.name} ({path.stat().st_size / 2**20:.0f} MiB): {c.num_layers} layers, {c.num_experts} experts of FFN"
           f" {c.moe_intermediate_size}, {c.num_experts_per_tok} active; {args.threads} threads; load average"
           f" {load_before[0]:.2f} before", flush=True)
-    results = {}
-    for engine in ENGINES:
-        print(f"{engine} ...", flush=True)
-        results[engine] = in_process(engine, path, prompts_file, args)
-        print(f"  first greedy tokens: {results[engine]['greedy']}", flush=True)
-    same = results["churon"]["greedy"] == results["llama.cpp"]["greedy"]
+    rounds = []  # the engines in turn, round after round: a noisy neighbour's burst lands on both, not on one
+    for r in range(args.rounds):
+        results = {}
+        for engine in ENGINES:
+            print(f"round {r + 1}/{args.rounds}: {engine} ...", flush=True)
+            results[engine] = in_process(engine, path, prompts_file, args)
+            print(f"  first greedy tokens: {results[engine]['greedy']}", flush=True)
+        rounds.append(results)
+    same = all(rr["churon"]["greedy"] == rr["llama.cpp"]["greedy"] for rr in rounds)
+    results = rounds[0]
     agree = next((i for i, (a, b) in enumerate(zip(*(r["greedy"] for r in results.values()))) if a != b), CHECK_TOKENS)
     load_after = os.getloadavg()
 
     names = [f"pp{n}" for n in bench.PP_SIZES] + [f"tg{bench.TG_TOKENS}"]
-    ratios = {k: results["churon"][k][0] / results["llama.cpp"][k][0] for k in names}
-    print(f"\n{path.name}, {cpu_model()}, {args.threads} threads, batch 1, median of {args.repeats}; churon"
-          f" kernels={args.kernels} ({results['churon']['info']['backend']})")
+    round_ratios = {k: [rr["churon"][k][0] / rr["llama.cpp"][k][0] for rr in rounds] for k in names}
+    ratios = {k: statistics.median(v) for k, v in round_ratios.items()}
+    rates = {e: {k: statistics.median(rr[e][k][0] for rr in rounds) for k in names} for e in ENGINES}
+    print(f"\n{path.name}, {cpu_model()}, {args.threads} threads, batch 1, median of {args.repeats} runs a round,"
+          f" {args.rounds} round(s); churon kernels={args.kernels} ({results['churon']['info']['backend']})")
     print(f"greedy tokens {'agree' if same else f'DIFFER from token {agree}'} ({CHECK_TOKENS} compared)")
-    print(f"{'tok/s':<20}" + "".join(f"{k:>10}" for k in names))
-    for engine, row in results.items():
-        print(f"{engine:<20}" + "".join(f"{row[k][0]:>10.1f}" for k in names))
-    print(f"{'churon / llama.cpp':<20}" + "".join(f"{ratios[k]:>9.2f}x" for k in names))
+    print(f"{'tok/s (median)':<20}" + "".join(f"{k:>10}" for k in names))
+    for engine, row in rates.items():
+        print(f"{engine:<20}" + "".join(f"{row[k]:>10.1f}" for k in names))
+    print(f"{'churon / llama.cpp':<20}" + "".join(f"{ratios[k]:>9.2f}x" for k in names)
+          + ("  (the median of the rounds' ratios)" if args.rounds > 1 else ""))
+    if args.rounds > 1:
+        for k in names:
+            print(f"  {k} a round: " + " ".join(f"{x:.2f}x" for x in round_ratios[k]))
     elapsed = time.perf_counter() - t_start
     print(f"({elapsed:.0f} s; load average {load_before[0]:.2f} before, {load_after[0]:.2f} after)")
     if args.json:
         args.json.write_text(json.dumps({
             "model": path.name, "shape": SHAPE, "cpu": cpu_model(), "threads": args.threads, "repeats": args.repeats,
             "greedy": {e: r["greedy"] for e, r in results.items()}, "greedy_agree": same,
-            "tokens_per_second": {e: {k: r[k][0] for k in names} for e, r in results.items()},
-            "runs": {e: {k: r[k][1] for k in names} for e, r in results.items()},
-            "info": {e: r["info"] for e, r in results.items()}, "ratios": ratios,
+            "rounds": args.rounds, "tokens_per_second": rates, "ratios": ratios, "round_ratios": round_ratios,
+            "runs": [{e: {k: r[k][1] for k in names} for e, r in rr.items()} for rr in rounds],
+            "info": {e: r["info"] for e, r in results.items()},
             "torch_version": torch.__version__, "seconds": round(elapsed, 1),
             "load_average_before": load_before, "load_average_after": load_after,
         }, indent=1) + "\n", encoding="utf-8")
