@@ -181,12 +181,12 @@ void MoeExperts::forward_routed(QMatrix& router, uintptr_t hp, int64_t tokens, i
                                 bool normalize) const {
   const int64_t n_exp = num_experts();
   if (router.rows() != n_exp || router.cols() != hidden_)
-    throw std::invalid_argument("moe_experts: the router must be " + std::to_string(n_exp) + " x " +
+    throw std::invalid_argument("routed_experts: the router must be " + std::to_string(n_exp) + " x " +
                                 std::to_string(hidden_) + " (experts x hidden), got " + shape(router));
   if (k < 1 || k > n_exp)
-    throw std::invalid_argument("moe_experts: k must be in [1, " + std::to_string(n_exp) + "], got " +
+    throw std::invalid_argument("routed_experts: k must be in [1, " + std::to_string(n_exp) + "], got " +
                                 std::to_string(k));
-  if (tokens < 0) throw std::invalid_argument("moe_experts: tokens must be >= 0, got " + std::to_string(tokens));
+  if (tokens < 0) throw std::invalid_argument("routed_experts: tokens must be >= 0, got " + std::to_string(tokens));
   if (tokens == 0) return;
   g_logits.resize(size_t(tokens * n_exp));
   router.matmul(hp, reinterpret_cast<uintptr_t>(g_logits.data()), tokens, 0, false);
