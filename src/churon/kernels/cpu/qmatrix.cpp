@@ -18,6 +18,12 @@ namespace {
 // scratch for quantized activations and the precise path (calls are serialized by the GIL)
 Buffer g_act_buf, g_precise_buf;
 
+// whether a matmul of m rows has work (m < 0 raises)
+bool matmul_rows(int64_t m) {
+  if (m < 0) throw std::invalid_argument("matmul: m must be >= 0");
+  return m > 0;
+}
+
 }  // namespace
 
 QMatrix::QMatrix(const uint8_t* raw, int64_t raw_bytes, bool raw_contiguous, int qtype, int64_t rows,
@@ -73,11 +79,10 @@ QMatrix::QMatrix(const uint8_t* raw, int64_t raw_bytes, bool raw_contiguous, int
 }
 
 void QMatrix::matmul(uintptr_t xp, uintptr_t yp, int64_t m, uintptr_t biasp, bool precise) {
-  if (m < 0) throw std::invalid_argument("matmul: m must be >= 0");
-  if (m == 0) return;
+  if (!matmul_rows(m)) return;
   const float* x = ptr<const float>(xp, "matmul: x");
   float* y = ptr<float>(yp, "matmul: y");
-  const float* bias = biasp ? reinterpret_cast<const float*>(biasp) : nullptr;
+  const float* bias = reinterpret_cast<const float*>(biasp);  // may be null
   const KernelTable* k = kt();
   const QWeights& w = w_;
   const int64_t ng = w_.ngroups;
@@ -153,11 +158,10 @@ std::string QMatrixStack::layout() const {
 }
 
 void QMatrixStack::matmul(uintptr_t xp, uintptr_t yp, int64_t m, uintptr_t biasp) const {
-  if (m < 0) throw std::invalid_argument("matmul: m must be >= 0");
-  if (m == 0) return;
+  if (!matmul_rows(m)) return;
   const float* x = ptr<const float>(xp, "matmul: x");
   float* y = ptr<float>(yp, "matmul: y");
-  const float* bias = biasp ? reinterpret_cast<const float*>(biasp) : nullptr;
+  const float* bias = reinterpret_cast<const float*>(biasp);  // may be null
   const KernelTable* k = kt();
   bool any_quantized = false;
   for (const QMatrix* p : parts_) any_quantized = any_quantized || p->quantized();
