@@ -20,8 +20,9 @@ from setuptools.command.build_ext import build_ext
 CPU_DIR = os.path.join("src", "churon", "kernels", "cpu")
 KERNEL_SOURCE = os.path.join(CPU_DIR, "kernels.cpp")
 # what kernels.cpp includes: the SIMD mapping, and the loops written per ISA
-KERNEL_HEADERS = [os.path.join(CPU_DIR, h) for h in ("common.h", "simd.h", "matmul_avx512.inc", "matmul_avx2.inc",
-                                                    "matmul_scalar.inc", "attention_avx512.inc", "lora.inc")]
+KERNEL_HEADERS = [os.path.join(CPU_DIR, h) for h in ("common.h", "simd.h", "matmul_amx.inc", "matmul_avx512.inc",
+                                                    "matmul_avx2.inc", "matmul_scalar.inc", "attention_avx512.inc",
+                                                    "lora.inc")]
 # compiled once, with COMMON_FLAGS only
 MODULE_SOURCES = [os.path.join(CPU_DIR, f) for f in ("module.cpp", "isa.cpp", "repack.cpp", "qmatrix.cpp", "moe.cpp",
                                                     "ops.cpp", "lora.cpp", "threadpool.cpp", "weight_memory.cpp")]
@@ -40,6 +41,10 @@ if IS_X86:
     ISA_FLAGS["avx2"] = ["-mavx2", "-mfma", "-mf16c"] + QUIET
     ISA_FLAGS["avx512"] = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni",
                            "-mavx2", "-mfma", "-mf16c"] + QUIET
+    # AVX-512 plus the AMX-INT8 tiles (its quantized matmuls; everything else is the avx512 copy's code)
+    ISA_FLAGS["amx"] = ISA_FLAGS["avx512"] + ["-mamx-tile", "-mamx-int8"]
+# a compiler too old for these flags builds the others without them
+OPTIONAL_ISAS = {"amx"}
 
 
 class OptionalBuildExt(build_ext):
@@ -62,18 +67,25 @@ class OptionalBuildExt(build_ext):
         except ImportError as e:
             raise RuntimeError("pybind11 is not installed in the build environment") from e
         ext.include_dirs = [pybind11.get_include(), CPU_DIR]
-        objects = []
+        objects, built = [], []
         for isa, flags in ISA_FLAGS.items():
-            objects += self.compiler.compile(
-                [KERNEL_SOURCE],
-                output_dir=os.path.join(self.build_temp, "isa_" + isa),
-                macros=[("CHURON_ISA", isa)],
-                include_dirs=[CPU_DIR],
-                extra_postargs=COMMON_FLAGS + flags,
-                depends=KERNEL_HEADERS,
-            )
+            try:
+                objects += self.compiler.compile(
+                    [KERNEL_SOURCE],
+                    output_dir=os.path.join(self.build_temp, "isa_" + isa),
+                    macros=[("CHURON_ISA", isa)],
+                    include_dirs=[CPU_DIR],
+                    extra_postargs=COMMON_FLAGS + flags,
+                    depends=KERNEL_HEADERS,
+                )
+            except Exception as e:  # noqa: BLE001 - any compiler failure drops this ISA only
+                if isa not in OPTIONAL_ISAS:
+                    raise
+                self.warn(f"churon: the {isa} kernels were not built ({type(e).__name__}: {e})")
+                continue
+            built.append(isa)
         ext.extra_objects = objects
-        ext.define_macros = [("CHURON_HAVE_" + isa.upper(), "1") for isa in ISA_FLAGS if isa != "scalar"]
+        ext.define_macros = [("CHURON_HAVE_" + isa.upper(), "1") for isa in built if isa != "scalar"]
         # this link recompiles the module sources every time, like the ISA objects above
         self.force = True
         super().build_extension(ext)

@@ -13,7 +13,7 @@ are tested against). This package is a leaf: it imports nothing else of churon.
 The raw API (all tensors float32 and C-contiguous unless said; pointers are ints from
 `tensor.data_ptr()`; the caller keeps the tensors alive and correctly sized):
 
-    isa() -> str; available_isas() -> list[str]; set_isa(name)      # 'avx512' | 'avx2' | 'scalar'
+    isa() -> str; available_isas() -> list[str]; set_isa(name)      # 'amx' | 'avx512' | 'avx2' | 'scalar'
     set_num_threads(n); get_num_threads(); set_spin_us(us); get_spin_us()
     QMatrix(raw: uint8 buffer, qtype: int, rows, cols)               # GGUF bytes of a [rows, cols] weight;
                                                                      # qtype F32 F16 BF16 Q4_0 Q4_1 Q5_0 Q8_0 Q4_K Q5_K Q6_K
@@ -56,7 +56,9 @@ churon.kernels.ops wraps the same calls for torch tensors, with checks.
 
 Numerics: weights are repacked at construction (16 rows interleaved, see cpu/common.h);
 activations are quantized on the fly to 8 bits per 32 values (ground_truth.quantize_activations,
-bitwise) and multiplied with integer dot products (AVX-512 VNNI, AVX2 maddubs, or scalar).
+bitwise) and multiplied with integer dot products (AVX-512 VNNI, AVX2 maddubs, or scalar; 'amx'
+is the avx512 kernels with the AMX-INT8 tiles taking a matmul's rows 16 at a time, bitwise equal to
+VNNI's: an integer block sum is exact either way and the float steps are the same).
 Every output row is computed by the same operations whatever the thread count, the rows it is
 batched with (M) or the thread that runs it: results are batch-invariant and reproducible.
 
@@ -72,7 +74,7 @@ parallel torch op per token (x.add_ on 49152 floats) made the step 4.6 ms with 2
 keep parallel torch ops out of a native decode loop, or torch.set_num_threads(1) while the
 native kernels do the heavy work.
 
-Environment at import: CHURON_ISA=avx512|avx2|scalar forces an ISA (a value the CPU cannot run
+Environment at import: CHURON_ISA=amx|avx512|avx2|scalar forces an ISA (a value the CPU cannot run
 is reported with a warning and ignored); CHURON_NUM_THREADS; CHURON_SPIN_US.
 """
 

@@ -1,7 +1,7 @@
 // churon CPU kernels: shared declarations.
 //
 // Two kinds of translation units include this header:
-//   * kernels.cpp, compiled once per ISA (scalar, avx2, avx512) with that ISA's flags and
+//   * kernels.cpp, compiled once per ISA (scalar, avx2, avx512, amx) with that ISA's flags and
 //     -DCHURON_ISA=<name>; each copy fills one KernelTable in namespace churon::<name>.
 //   * the module sources, compiled with baseline flags: Python bindings (module.cpp), the
 //     runtime choice of a KernelTable (isa.cpp), weight repacking (repack.cpp), the drivers
@@ -240,6 +240,9 @@ namespace avx2 { const KernelTable* table(); }
 #endif
 #if defined(CHURON_HAVE_AVX512)
 namespace avx512 { const KernelTable* table(); }
+#endif
+#if defined(CHURON_HAVE_AMX)
+namespace amx { const KernelTable* table(); }
 #endif
 
 // a group's scores (kAttnGroupRows rows of num_heads heads), one KV head's partition of K and V as

@@ -5,6 +5,12 @@
 #include <cstdlib>
 #include <stdexcept>
 
+#if defined(CHURON_HAVE_AMX)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 namespace churon {
 namespace {
 
@@ -26,10 +32,31 @@ bool cpu_avx512() {
          __builtin_cpu_supports("avx512vnni");
 }
 #endif
+#if defined(CHURON_HAVE_AMX)
+// AMX-INT8 and its tiles (CPUID 7.0 EDX bits 24, 25), enabled by the OS (XCR0 bits 17, 18: tile
+// configuration and data) and offered by Linux (ARCH_GET_XCOMP_SUPP). Permission to use the tiles is
+// not asked here: the AMX kernel asks for it (ARCH_REQ_XCOMP_PERM) in the thread about to use them,
+// so a process that never runs it never holds it.
+bool cpu_amx() {
+  if (!cpu_avx512()) return false;
+  unsigned a, b, c, d;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !((d >> 24) & 1) || !((d >> 25) & 1)) return false;
+  if (!__get_cpuid(1, &a, &b, &c, &d) || !((c >> 27) & 1)) return false;  // OSXSAVE: xgetbv exists
+  unsigned lo, hi;
+  asm volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+  if (((lo >> 17) & 3) != 3) return false;
+  unsigned long long features = 0;
+  if (syscall(SYS_arch_prctl, 0x1021 /* ARCH_GET_XCOMP_SUPP */, &features) != 0) return false;
+  return (features >> 18) & 1;  // XTILEDATA
+}
+#endif
 bool cpu_any() { return true; }
 
 const std::vector<IsaEntry>& all_isas() {  // best first
   static const std::vector<IsaEntry> v = {
+#if defined(CHURON_HAVE_AMX)
+      {"amx", amx::table, cpu_amx},
+#endif
 #if defined(CHURON_HAVE_AVX512)
       {"avx512", avx512::table, cpu_avx512},
 #endif

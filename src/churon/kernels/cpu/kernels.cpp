@@ -24,6 +24,13 @@
 #include "common.h"
 #include "simd.h"
 
+#if defined(K_AMX)
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#endif
+
 #define CHURON_STR2(x) #x
 #define CHURON_STR(x) CHURON_STR2(x)
 
@@ -224,7 +231,10 @@ void quantize_act(const float* x, int64_t m0, int64_t m1, const ActQ& a) {
 // Quantized matmul: run_tile<QT, T>(w, a, g, m0, y, bias) computes the 16 rows of group g for
 // activation rows m0 .. m0 + T - 1, T <= kMaxTile; the tiles are each ISA's own.
 
-#if defined(K_AVX512)
+#if defined(K_AMX)
+#include "matmul_avx512.inc"
+#include "matmul_amx.inc"
+#elif defined(K_AVX512)
 #include "matmul_avx512.inc"
 #elif defined(K_AVX2)
 #include "matmul_avx2.inc"
@@ -246,16 +256,23 @@ inline void run_tile_upto(int64_t rest, const QWeights& w, const ActQ& a, int64_
 
 template <int QT>
 void gemm_q(const QWeights& w, const ActQ& a, int64_t m, float* y, const float* bias, int64_t g0, int64_t g1) {
+  int64_t first = 0;  // rows [0, first) are done
+#if defined(K_AMX)
+  // whole tiles of 16 rows on AMX (where this thread may use tiles), the rest on VNNI: a row's
+  // result is the same either way
+  if (m >= 16 && gemm_amx<QT>(w, a, m / 16 * 16, y, bias, g0, g1)) first = m / 16 * 16;
+  if (first == m) return;
+#endif
   for (int64_t g = g0; g < g1; ++g) {
 #if defined(K_SIMD)
     // many activation rows: the group's tiles take long enough to fetch the next group's
     // weights meanwhile, which would otherwise stall the first tile on memory
-    if (m > kMaxTile && g + 1 < w.ngroups) {
+    if (m - first > kMaxTile && g + 1 < w.ngroups) {
       const uint8_t* next = w.data + (g + 1) * w.group_bytes;
       for (int64_t off = 0; off < w.group_bytes; off += 64) simd::prefetch_l2(next + off);
     }
 #endif
-    int64_t m0 = 0;
+    int64_t m0 = first;
     for (; m0 + kMaxTile <= m; m0 += kMaxTile) run_tile<QT, kMaxTile>(w, a, g, m0, y, bias);
     run_tile_upto<QT, kMaxTile - 1>(m - m0, w, a, g, m0, y, bias);
   }

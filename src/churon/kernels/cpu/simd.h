@@ -25,6 +25,10 @@
 #define K_SIMD 1
 #define K_MASK 1
 #include <immintrin.h>
+// the amx copy: AVX-512 and the AMX-INT8 tiles (clang 14 spells the macros without the underscore)
+#if (defined(__AMX_INT8__) || defined(__AMXINT8__)) && (defined(__AMX_TILE__) || defined(__AMXTILE__))
+#define K_AMX 1
+#endif
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define K_AVX2 1
 #define K_SIMD 1
@@ -32,7 +36,7 @@
 #endif
 
 #ifndef CHURON_ISA
-#error "compile with -DCHURON_ISA=<scalar|avx2|avx512>"
+#error "compile with -DCHURON_ISA=<scalar|avx2|avx512|amx>"
 #endif
 
 #if defined(K_SIMD)
