@@ -25,9 +25,10 @@ KERNEL_HEADERS = [os.path.join(CPU_DIR, h) for h in ("common.h", "simd.h", "matm
                                                     "lora.inc")]
 # compiled once, with COMMON_FLAGS only
 MODULE_SOURCES = [os.path.join(CPU_DIR, f) for f in ("module.cpp", "isa.cpp", "repack.cpp", "qmatrix.cpp", "moe.cpp",
-                                                    "ops.cpp", "lora.cpp", "threadpool.cpp", "weight_memory.cpp")]
-MODULE_HEADERS = [os.path.join(CPU_DIR, h) for h in ("common.h", "driver.h", "isa.h", "ops.h", "qmatrix.h",
-                                                    "repack.h", "threadpool.h", "weight_memory.h")]
+                                                    "decoder.cpp", "ops.cpp", "lora.cpp", "threadpool.cpp",
+                                                    "weight_memory.cpp")]
+MODULE_HEADERS = [os.path.join(CPU_DIR, h) for h in ("common.h", "decoder.h", "driver.h", "isa.h", "ops.h",
+                                                    "qmatrix.h", "repack.h", "threadpool.h", "weight_memory.h")]
 
 # -ffp-contract=off: a*b+c stays two roundings unless the code asks for an FMA, which keeps
 # dequantization bitwise equal to ggml and each ISA's results reproducible.

@@ -17,6 +17,7 @@ from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
+from churon.config import ModelConfig
 from churon.model.kv_layout import KVLayout
 from churon.model.batch import ForwardBatch
 from churon.model.weights import RawWeight
@@ -44,6 +45,17 @@ class SequenceCache(KVCache, Protocol):
 
     max_tokens: int
     block_table: list[int]
+
+
+@dataclass
+class RopeTables:
+    """The RoPE cos / sin tables [positions, head_dim] of the global layers and of the windowed ones (Gemma 3's
+    windowed layers have a base of their own; other models use the same tables for both)."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    local_cos: torch.Tensor
+    local_sin: torch.Tensor
 
 
 @dataclass
@@ -146,6 +158,13 @@ class Backend(Protocol):
         window > 0: a query at position p sees keys p - window + 1 .. p only. softcap > 0: each score s (scale
         included) becomes softcap * tanh(s / softcap) before the softmax (Gemma 2). sinks [heads] float32: a logit
         per head that joins the softmax's denominator only (gpt-oss)."""
+        ...
+
+    def decoder_stack(self, config: ModelConfig, layers: Sequence[Any], embed: Any, norm: torch.Tensor,
+                      rope: RopeTables, attention_scale: float) -> Any | None:
+        """A decoder's whole layer stack as one call, or None where this backend (or this model) runs it op by op:
+        an object whose hidden_states(batch, cache) is bitwise Transformer.hidden_states' per-op result for a batch
+        without LoRA slots. layers: the model's LayerWeights; embed: its token embeddings as matrix() made them."""
         ...
 
     def lora_stack(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor] | None]) -> Any:

@@ -53,6 +53,10 @@ class ForwardBatch:
     lora_scales: torch.Tensor | None = None  # float32 [tokens]
     # the batch as KV groups 1, 2, ... see it (their slot mappings and block tables); the batch itself is group 0's
     group_views: list["ForwardBatch"] = field(default_factory=list)
+    # every KV group's slot mapping int64 [groups, tokens] and per-token tables int32 [groups, tokens, max_blocks]
+    # at once (a group's view holds its row of each): what a whole-stack native call reads
+    kv_slot_mappings: torch.Tensor | None = None
+    kv_token_tables: torch.Tensor | None = None
 
     def kv_group(self, group: int) -> "ForwardBatch":
         return self.group_views[group - 1] if group else self
@@ -113,9 +117,12 @@ class ForwardBatch:
             token_context_lens=(positions_t + 1).to(torch.int32),
             lora_slots=lora_slots,
             lora_scales=lora_scales,
+            kv_slot_mappings=slot_mappings,
+            kv_token_tables=token_block_tables,
         )
         batch.group_views = [replace(batch, slot_mapping=slot_mappings[g], block_tables=block_tables[g],
-                                     token_block_tables=token_block_tables[g], group_views=[])
+                                     token_block_tables=token_block_tables[g], group_views=[], kv_slot_mappings=None,
+                                     kv_token_tables=None)
                              for g in range(1, num_groups)]
         return batch
 

@@ -7,6 +7,8 @@ output rows with a fixed reduction order, and attention treats every query token
 
 from __future__ import annotations
 
+from typing import Any, Sequence
+
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType
@@ -15,8 +17,10 @@ from churon import kernels
 from churon.kernels import ops
 from churon.formats.gguf import GGUFTensor
 from churon.formats.quants import mxfp4_as_q8_0
-from churon.model.backend import Experts, KVCache
+from churon.config import ModelConfig
+from churon.model.backend import Experts, KVCache, RopeTables
 from churon.model.batch import ForwardBatch
+from churon.model.kv_layout import KVLayout
 from churon.model.weights import RawWeight, RowStack, dense
 
 
@@ -202,6 +206,15 @@ class NativeBackend:
         )
         return out
 
+    def decoder_stack(self, config: ModelConfig, layers: Sequence[Any], embed, norm: torch.Tensor, rope: RopeTables,
+                      attention_scale: float) -> "DecoderStack | None":
+        """The layer stack as one native call, for every family but those whose MLP has torch in it: gpt-oss's
+        routing and clamped experts, Qwen2-MoE's gated shared expert."""
+        if any(layer.router is not None and (layer.router_bias is not None or layer.shared_gate_up is not None)
+               for layer in layers) or config.expert_form != "swiglu" or config.router_topk_first:
+            return None
+        return DecoderStack(self.cpu, config, layers, embed, norm, rope, attention_scale)
+
     def lora_stack(self, pairs) -> ops.LoraStack:
         """Per slot A [R, in] and B's transpose [R, out], float32, as the lora_add kernel reads them."""
         return ops.LoraStack(pairs)
@@ -220,3 +233,52 @@ def _scale_ptrs(cache: KVCache, layer: int) -> tuple[int, int]:
     return cache.k_scale[layer].data_ptr(), cache.v_scale[layer].data_ptr()
 
 
+class DecoderStack:
+    """A decoder's layers in one native call (churon._cpu.DecoderStack): Python touches a step once instead of
+    ~10 times a layer. The call runs the per-op path's own kernels in DecoderBlock's order, so its hidden states
+    are bitwise that path's (tests/test_decoder_stack.py)."""
+
+    def __init__(self, cpu, config: ModelConfig, layers: Sequence[Any], embed, norm: torch.Tensor, rope: RopeTables,
+                 attention_scale: float):
+        self.hidden = config.hidden_size
+        # the C++ object borrows these vectors and tables: held here for its lifetime
+        self._held = (layers, norm, rope)
+        self.stack = cpu.DecoderStack(
+            embed, norm.data_ptr(), config.num_heads, config.num_kv_heads, config.head_dim, config.rms_norm_eps,
+            attention_scale, attn_softcap=config.attn_logit_softcap,
+            embed_scale=config.hidden_size**0.5 if config.scale_embeddings else 0.0,
+            gelu_tanh=config.hidden_act == "gelu_tanh", head_norms=config.qk_norm_per_head,
+            moe_k=config.num_experts_per_tok if config.num_experts else 0, moe_normalize=config.norm_topk_prob,
+        )
+        for layer in layers:
+            cos, sin = (rope.local_cos, rope.local_sin) if layer.window else (rope.cos, rope.sin)
+            moe = layer.router is not None
+            self.stack.add_layer(
+                layer.qkv, layer.o, layer.gate_up, layer.down, layer.input_norm.data_ptr(), layer.post_norm.data_ptr(),
+                cos.data_ptr(), sin.data_ptr(), window=layer.window, attn_out_norm_ptr=_ptr(layer.attn_out_norm),
+                mlp_out_norm_ptr=_ptr(layer.mlp_out_norm), qkv_bias_ptr=_ptr(layer.qkv_bias), o_bias_ptr=_ptr(layer.o_bias),
+                sinks_ptr=_ptr(layer.sinks), q_norm_ptr=_ptr(layer.q_norm), k_norm_ptr=_ptr(layer.k_norm),
+                experts=layer.experts.kernel if moe else None, router=layer.router if moe else None,
+            )
+        self._layer_slots: dict[KVLayout, torch.Tensor] = {}
+
+    def hidden_states(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
+        slots = self._layer_slots.get(cache.layout)
+        if slots is None:
+            slots = self._layer_slots[cache.layout] = torch.tensor(cache.layout.layer_slots, dtype=torch.int64)
+        rows = batch.logits_indices
+        out = torch.empty(rows.shape[0], self.hidden)
+        k_scale, v_scale = cache.k_scale, cache.v_scale
+        tables = batch.kv_token_tables
+        self.stack.forward(
+            batch.input_ids.data_ptr(), batch.positions.data_ptr(), batch.num_tokens, cache.k.data_ptr(),
+            cache.v.data_ptr(), _ptr(k_scale), _ptr(v_scale), cache.k.stride(0) * cache.k.element_size(),
+            k_scale.stride(0) * 4 if k_scale is not None else 0, cache.dtype_name, cache.block_size, slots.data_ptr(),
+            batch.kv_slot_mappings.data_ptr(), tables.data_ptr(), tables.shape[2], batch.token_context_lens.data_ptr(),
+            rows.data_ptr(), rows.shape[0], out.data_ptr(),
+        )
+        return out
+
+
+def _ptr(t: torch.Tensor | None) -> int:
+    return t.data_ptr() if t is not None else 0

@@ -160,6 +160,9 @@ class ReferenceBackend:
             out[a:b] = (probs @ vh).transpose(0, 1)
         return out
 
+    def decoder_stack(self, *args) -> None:
+        return None  # the reference path stays op by op: it is the ground truth
+
     def lora_stack(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor] | None]) -> list:
         """The pairs by slot, float32 whatever the activations (the adapters' own precision)."""
         return [None if p is None else (p[0].float().contiguous(), p[1].float().contiguous()) for p in pairs]

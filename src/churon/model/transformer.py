@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from churon.config import ModelConfig
-from churon.model.backend import Backend, KVCache, SequenceCache, experts_one_by_one, softmax_top_k
+from churon.model.backend import Backend, KVCache, RopeTables, SequenceCache, experts_one_by_one, softmax_top_k
 from churon.model.batch import ForwardBatch, SequenceChunk
 from churon.model.lora import LoraSlots
 from churon.model.reference_backend import ReferenceBackend
@@ -211,6 +211,10 @@ class Transformer:
         self.norm = b.vector(weights["norm.weight"])
         self.lm_head = self.embed_tokens if config.tie_word_embeddings else b.matrix(weights["lm_head.weight"])
         self.lora: LoraSlots | None = None  # enable_lora
+        # the layer stack as one native call where the backend has one for this model (None: op by op, as
+        # DecoderBlock reads; the two are bitwise the same, and a batch with LoRA slots always goes op by op)
+        self.fused_stack = b.decoder_stack(config, self.layers, self.embed_tokens, self.norm, self.block.rope,
+                                           self.block.scale)
 
     def enable_lora(self, max_loras: int) -> LoraSlots:
         """max_loras adapter slots over this model's weights (they stay as they are: adapters apply unmerged)."""
@@ -264,6 +268,8 @@ class Transformer:
                 raise ValueError(f"LoRA slot {int(batch.lora_slots.max())} is out of range: this model has slots "
                                  f"0..{self.lora.max_loras - 1}")
             lora = self.lora.layers
+        elif self.fused_stack is not None:
+            return self.fused_stack.hidden_states(batch, cache)
         x = b.embedding(self.embed_tokens, batch.input_ids)  # the residual stream, [tokens, hidden]
         if self.config.scale_embeddings:
             x *= self.config.hidden_size**0.5
@@ -286,11 +292,12 @@ class DecoderBlock:
         """freq_factors: per-dimension RoPE frequency divisors (GGUF's rope_freqs.weight, Llama 3 scaling)."""
         self.config = config
         self.backend = backend
-        self.cos, self.sin = rope_tables(config, freq_factors)
-        self.local_cos, self.local_sin = self.cos, self.sin  # the windowed layers' (Gemma 3: another base)
+        cos, sin = rope_tables(config, freq_factors)
+        local_cos, local_sin = cos, sin  # the windowed layers' (Gemma 3: another base)
         if config.rope_local_theta is not None:
             local = replace(config, rope_theta=config.rope_local_theta, rope_scaling=None)
-            self.local_cos, self.local_sin = rope_tables(local)
+            local_cos, local_sin = rope_tables(local)
+        self.rope = RopeTables(cos, sin, local_cos, local_sin)
         self.scale = config.attention_scale
         c = config
         self.split = [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim]
@@ -317,7 +324,8 @@ class DecoderBlock:
             q_size, kv_size = self.split[0], self.split[1]
             qkv[:, :q_size] = b.rms_norm(qkv[:, :q_size], layer.q_norm, eps)
             qkv[:, q_size:q_size + kv_size] = b.rms_norm(qkv[:, q_size:q_size + kv_size], layer.k_norm, eps)
-        cos, sin = (self.local_cos, self.local_sin) if layer.window else (self.cos, self.sin)
+        r = self.rope
+        cos, sin = (r.local_cos, r.local_sin) if layer.window else (r.cos, r.sin)
         group, slot = cache.layout.layer_slots[cache_layer]  # where the layer's K/V live, through which tables
         kv = batch.kv_group(group)
         q = b.rope_and_cache(qkv, self.heads, kv, cos, sin, cache, slot, head_norms, eps)

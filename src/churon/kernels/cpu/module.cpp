@@ -9,6 +9,7 @@
 
 #include <string>
 
+#include "decoder.h"
 #include "isa.h"
 #include "ops.h"
 #include "qmatrix.h"
@@ -27,6 +28,22 @@ bool is_contiguous(const py::buffer_info& info) {
   }
   return true;
 }
+
+// a layer's matrix from Python: a QMatrix, a QMatrixStack, or None (an MoE layer's MLP)
+Linear linear_of(const py::object& w, const char* what) {
+  Linear l;
+  if (w.is_none()) return l;
+  if (py::isinstance<QMatrix>(w))
+    l.matrix = w.cast<QMatrix*>();
+  else if (py::isinstance<QMatrixStack>(w))
+    l.stack = w.cast<const QMatrixStack*>();
+  else
+    throw std::invalid_argument(std::string("DecoderStack.add_layer: ") + what + " must be a QMatrix or a QMatrixStack");
+  return l;
+}
+
+template <class T>
+const T* maybe(uintptr_t p) { return reinterpret_cast<const T*>(p); }
 
 }  // namespace
 }  // namespace churon
@@ -169,4 +186,94 @@ PYBIND11_MODULE(_cpu, m) {
            "forward with the softmax router's routing in the same call: router (a QMatrix [num_experts, hidden])"
            " logits of h, their float32 softmax, each token's k most probable experts best first (ties: the lower"
            " id), their probabilities as the weights; a token's result does not depend on the batch.");
+
+  py::class_<DecoderStack>(m, "DecoderStack")
+      .def(py::init([](QMatrix& embed, uintptr_t final_norm, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                       double eps, double attn_scale, double attn_softcap, double embed_scale, bool gelu_tanh,
+                       bool head_norms, int64_t moe_k, bool moe_normalize) {
+             return new DecoderStack(embed, maybe<float>(final_norm), heads, kv_heads, head_dim, eps, attn_scale,
+                                     attn_softcap, embed_scale, gelu_tanh, head_norms, moe_k, moe_normalize);
+           }),
+           py::arg("embed"), py::arg("final_norm_ptr"), py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"),
+           py::arg("eps"), py::arg("attn_scale"), py::arg("attn_softcap") = 0.0, py::arg("embed_scale") = 0.0,
+           py::arg("gelu_tanh") = false, py::arg("head_norms") = true, py::arg("moe_k") = 0,
+           py::arg("moe_normalize") = false, py::keep_alive<1, 2>(),
+           "A decoder's layer stack run as one call (forward): embed the token embeddings (a QMatrix), final_norm"
+           " float32 [hidden]; embed_scale 0: none, else the embeddings times it (Gemma); gelu_tanh: GeGLU MLPs,"
+           " else SwiGLU; head_norms: q/k norms per head (else over all of q and of k); moe_k, moe_normalize: the"
+           " MoE layers' experts per token and their renormalization. Float32 vectors are borrowed: keep them alive.")
+      .def_property_readonly("num_layers", &DecoderStack::num_layers)
+      .def(
+          "add_layer",
+          [](DecoderStack& s, const py::object& qkv, const py::object& o, const py::object& gate_up,
+             const py::object& down, uintptr_t input_norm, uintptr_t post_norm, uintptr_t cos, uintptr_t sin,
+             int64_t window, uintptr_t attn_out_norm, uintptr_t mlp_out_norm, uintptr_t qkv_bias, uintptr_t o_bias,
+             uintptr_t sinks, uintptr_t q_norm, uintptr_t k_norm, const MoeExperts* experts, QMatrix* router) {
+            DecoderLayer l;
+            l.qkv = linear_of(qkv, "qkv");
+            l.o = linear_of(o, "o");
+            l.gate_up = linear_of(gate_up, "gate_up");
+            l.down = linear_of(down, "down");
+            l.input_norm = maybe<float>(input_norm);
+            l.post_norm = maybe<float>(post_norm);
+            l.cos = maybe<float>(cos);
+            l.sin = maybe<float>(sin);
+            l.window = window;
+            l.attn_out_norm = maybe<float>(attn_out_norm);
+            l.mlp_out_norm = maybe<float>(mlp_out_norm);
+            l.qkv_bias = maybe<float>(qkv_bias);
+            l.o_bias = maybe<float>(o_bias);
+            l.sinks = maybe<float>(sinks);
+            l.q_norm = maybe<float>(q_norm);
+            l.k_norm = maybe<float>(k_norm);
+            l.experts = experts;
+            l.router = router;
+            s.add_layer(l);
+          },
+          py::arg("qkv"), py::arg("o"), py::arg("gate_up"), py::arg("down"), py::arg("input_norm_ptr"),
+          py::arg("post_norm_ptr"), py::arg("cos_ptr"), py::arg("sin_ptr"), py::arg("window") = 0,
+          py::arg("attn_out_norm_ptr") = 0, py::arg("mlp_out_norm_ptr") = 0, py::arg("qkv_bias_ptr") = 0,
+          py::arg("o_bias_ptr") = 0, py::arg("sinks_ptr") = 0, py::arg("q_norm_ptr") = 0, py::arg("k_norm_ptr") = 0,
+          py::arg("experts") = nullptr, py::arg("router") = nullptr, py::keep_alive<1, 2>(), py::keep_alive<1, 3>(),
+          py::keep_alive<1, 4>(), py::keep_alive<1, 5>(), py::keep_alive<1, 18>(), py::keep_alive<1, 19>(),
+          "One more layer: its matrices (QMatrix or QMatrixStack; gate_up and down None on an MoE layer, which gives"
+          " experts and router), the addresses of its float32 vectors (0: absent) and RoPE tables, its window.")
+      .def(
+          "forward",
+          [](DecoderStack& s, uintptr_t ids, uintptr_t positions, int64_t tokens, uintptr_t k, uintptr_t v,
+             uintptr_t k_scale, uintptr_t v_scale, int64_t layer_bytes, int64_t scale_layer_bytes,
+             const std::string& kv_dtype, int64_t block_size, uintptr_t layer_slots, uintptr_t slot_mappings,
+             uintptr_t token_tables, int64_t max_blocks, uintptr_t context_lens, uintptr_t rows, int64_t n_rows,
+             uintptr_t out) {
+            KvView kv;
+            kv.k = k;
+            kv.v = v;
+            kv.k_scale = k_scale;
+            kv.v_scale = v_scale;
+            kv.layer_bytes = layer_bytes;
+            kv.scale_layer_bytes = scale_layer_bytes;
+            kv.dtype = kv_dtype;
+            kv.block_size = block_size;
+            kv.layer_slots = ptr<const int64_t>(layer_slots, "DecoderStack.forward: layer_slots");
+            kv.slot_mappings = ptr<const int64_t>(slot_mappings, "DecoderStack.forward: slot_mappings");
+            kv.token_tables = ptr<const int32_t>(token_tables, "DecoderStack.forward: token_tables");
+            kv.max_blocks = max_blocks;
+            kv.context_lens = ptr<const int32_t>(context_lens, "DecoderStack.forward: context_lens");
+            // a step that returns no rows (a prefill chunk before the last) may pass empty tensors' 0 addresses
+            s.forward(ptr<const int64_t>(ids, "DecoderStack.forward: ids"),
+                      ptr<const int64_t>(positions, "DecoderStack.forward: positions"), tokens, kv,
+                      n_rows ? ptr<const int64_t>(rows, "DecoderStack.forward: rows") : nullptr, n_rows,
+                      n_rows ? ptr<float>(out, "DecoderStack.forward: out") : nullptr);
+          },
+          py::arg("ids_ptr"), py::arg("positions_ptr"), py::arg("tokens"), py::arg("k_ptr"), py::arg("v_ptr"),
+          py::arg("k_scale_ptr"), py::arg("v_scale_ptr"), py::arg("layer_bytes"), py::arg("scale_layer_bytes"),
+          py::arg("kv_dtype"), py::arg("block_size"), py::arg("layer_slots_ptr"), py::arg("slot_mappings_ptr"),
+          py::arg("token_tables_ptr"), py::arg("max_blocks"), py::arg("context_lens_ptr"), py::arg("rows_ptr"),
+          py::arg("n_rows"), py::arg("out_ptr"),
+          "Every layer over one step: ids, positions int64 [tokens]; the KV cache k / v [group size, slots, kv"
+          " heads, head dim] of kv_dtype (int8: scales k_scale / v_scale), layer_bytes (scale_layer_bytes) from one"
+          " index of k (k_scale) to the next; layer_slots int64 [layers, 2]: each layer's KV group and index;"
+          " slot_mappings int64 [groups, tokens], token_tables int32 [groups, tokens, max_blocks], context_lens int32"
+          " [tokens]; out float32 [n_rows, hidden]: the final hidden states of the tokens rows (int64 [n_rows])"
+          " names. Bitwise the per-op native path's.");
 }
