@@ -600,6 +600,7 @@ def test_a_request_that_fails_alone_is_an_error_in_each_dialects_shape(gguf, mon
     async def main():
         async with loaded_client(app) as http:
             monkeypatch.setattr(llm.model.backend, "embedding", poisoned)
+            monkeypatch.setattr(llm.model, "fused_stack", None)  # op by op, through the poisoned embedding
             out = [await http.post("/v1/messages", json=anthropic_body),
                    await http.post("/v1/messages", json={**anthropic_body, "stream": True}),
                    await http.post("/v1/responses", json=responses_body),
