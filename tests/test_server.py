@@ -119,7 +119,7 @@ def metrics(url) -> dict[str, float]:
     sample = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[a-zA-Z_][a-zA-Z0-9_]*="[^"]*"(,[a-zA-Z_][a-zA-Z0-9_]*="[^"]*")*\})? (\S+)$')
     out = {}
     for line in text.rstrip("\n").split("\n"):
-        if line.startswith("# HELP ") or re.match(r"^# TYPE \S+ (counter|gauge|histogram)$", line):
+        if line.startswith("# HELP ") or re.match(r"^# TYPE \S+ (counter|gauge|histogram|summary)$", line):
             continue
         m = sample.match(line)
         assert m, f"not Prometheus text: {line!r}"
@@ -523,6 +523,12 @@ def test_metrics_count_requests_tokens_and_latencies(server, client):
     assert after[ttft] == before[ttft] + 1
     assert after["churon_inter_token_latency_seconds_count"] == before["churon_inter_token_latency_seconds_count"] + 4
     assert after['churon_time_to_first_token_seconds_bucket{le="+Inf"}'] == after[ttft]
+    # the engine's own record: one more time to first token, four more gaps, percentiles in order
+    assert after["churon_engine_ttft_seconds_count"] == before["churon_engine_ttft_seconds_count"] + 1
+    assert after["churon_engine_itl_seconds_count"] == before["churon_engine_itl_seconds_count"] + 4
+    for name in ("ttft", "itl"):
+        quantiles = [after[f'churon_engine_{name}_seconds{{quantile="{q}"}}'] for q in ("0.5", "0.9", "0.95", "0.99")]
+        assert 0 < quantiles[0] <= quantiles[1] <= quantiles[2] <= quantiles[3]
     for name in ("churon_num_requests_waiting", "churon_kv_cache_usage_ratio", "churon_prefix_cache_hit_rate",
                  "churon_num_preemptions_total"):
         assert name in after

@@ -38,6 +38,7 @@ from tqdm import tqdm
 from churon.config import EngineConfig
 from churon.engine.block_manager import BlockManager
 from churon.engine.kv_cache import PagedKVCache
+from churon.engine.latency import Latency
 from churon.engine.lora import LoadedLora, LoraManager, unknown_lora
 from churon.engine.memory import plan_memory
 from churon.engine.output import CompletionOutput, Delta, EngineStats
@@ -90,6 +91,7 @@ class LLMEngine:
         self.runner = ModelRunner(model, self.cache)
         self.structured_output = StructuredOutput(tokenizer, self.model_config.vocab_size)
         self.requests: dict[int, Request] = {}
+        self.latency = Latency()  # the recent requests' time to first token and inter-token gaps
         self.lora: LoraManager | None = None  # made by the first add_lora: an engine without adapters pays nothing
         self.speculator = self._speculator(draft_model, draft_tokenizer, kv_dtype)
 
@@ -167,7 +169,7 @@ class LLMEngine:
             lora_slot=-1 if lora is None else lora.slot, lora_scale=float(params.lora_scale),
             hash_seed=None if lora is None else lora.hash_seed(params.lora_scale),
         )
-        request = Request(seq, self.tokenizer, self.model_config.vocab_size, grammar)
+        request = Request(seq, self.tokenizer, self.model_config.vocab_size, grammar, self.latency)
         total = len(prompt_ids) + max_new
         if not self.scheduler.can_ever_fit(total, len(prompt_ids)):
             capacity = min(self.memory_plan.longest_sequence, self.context_length)
@@ -219,6 +221,7 @@ class LLMEngine:
             prefix_cache_hit_blocks=bm.num_hit_blocks,
             prefix_cache_miss_blocks=bm.num_miss_blocks,
             preemptions=sched.num_preemptions,
+            latency=self.latency.summary(),
             **({} if (spec := self.speculator) is None else {
                 "spec_proposed_tokens": spec.num_proposed, "spec_accepted_tokens": spec.num_accepted,
                 "spec_verifications": spec.num_verifications,

@@ -12,6 +12,8 @@ from typing import Sequence
 
 import torch
 
+from churon.engine.latency import LatencySummary
+
 
 @dataclass
 class Metrics:
@@ -87,6 +89,7 @@ class EngineStats:
     prefix_cache_hit_blocks: int
     prefix_cache_miss_blocks: int
     preemptions: int
+    latency: LatencySummary | None = None  # the recent requests' TTFT and inter-token latency percentiles
     # speculative decoding (engine/speculative/), since start: tokens proposed and accepted, and verifications (a
     # request's steps that scored at least one proposed token); all 0 without speculation
     spec_proposed_tokens: int = 0

@@ -17,6 +17,7 @@ from collections import deque
 
 import torch
 
+from churon.engine.latency import Latency
 from churon.engine.output import CompletionOutput, Delta, Metrics, TokenLogprob, token_logprobs
 from churon.engine.sequence import Sequence
 from churon.sampling import Sampler
@@ -25,8 +26,11 @@ from churon.tokenizer import Detokenizer, Tokenizer
 
 
 class Request:
-    def __init__(self, seq: Sequence, tokenizer: Tokenizer, vocab_size: int, grammar: Grammar | None = None):
+    def __init__(self, seq: Sequence, tokenizer: Tokenizer, vocab_size: int, grammar: Grammar | None = None,
+                 latency: Latency | None = None):
+        """latency: where the engine records this request's time to first token and inter-token gaps."""
         params = seq.params
+        self.latency = latency
         self.seq = seq
         self.vocab_size = vocab_size
         self.sampler = Sampler(params, vocab_size, seq.prompt_token_ids)
@@ -34,6 +38,7 @@ class Request:
         self.detokenizer = Detokenizer(tokenizer, seq.prompt_token_ids, params.skip_special_tokens, params.stop)
         self.arrival = time.perf_counter()
         self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
         # per token drawn and not yet output: its logprob (when params.logprobs is set) and whether it completed the
         # structured-output value (a verification draws several tokens before the first is output)
         self._drawn: deque[tuple[TokenLogprob | None, bool]] = deque()
@@ -108,6 +113,11 @@ class Request:
             self.first_token_time = now
             out.metrics.prefill_seconds = now - self.arrival
             out.metrics.cached_prompt_tokens = seq.num_cached_tokens
+            if self.latency is not None:
+                self.latency.ttft.add(out.metrics.prefill_seconds)
+        elif self.latency is not None:
+            self.latency.itl.add(now - self.last_token_time)
+        self.last_token_time = now
         logprob, completes_value = self._drawn.popleft()
         out.token_ids.append(token)
         if out.logprobs is not None:

@@ -98,10 +98,20 @@ class ServerMetrics:
             family("churon_spec_mean_accepted_length", "gauge",
                    "Tokens a verification produced on average, its accepted proposals and the model's own (1: no gain).",
                    [f"churon_spec_mean_accepted_length {_number(s.spec_mean_accepted_length)}"])
+            if s.latency is not None:  # the engine's own percentiles over its recent requests (engine/latency.py)
+                for name, what, values, count in (
+                        ("ttft", "time to first token", s.latency.ttft, s.latency.ttft_count),
+                        ("itl", "inter-token latency", s.latency.itl, s.latency.itl_count)):
+                    metric = f"churon_engine_{name}_seconds"
+                    family(metric, "summary", f"The engine's {what} over its recent requests, queueing included.",
+                           [f'{metric}{{quantile="{p / 100}"}} {_number(v)}' for p, v in values.items()]
+                           + [f"{metric}_count {count}"])
         return "\n".join(lines) + "\n"
 
 
 def _number(x: float) -> str:
     if x == math.inf:
         return "+Inf"
+    if x != x:
+        return "NaN"  # a summary's quantile before its first sample
     return repr(float(x)) if isinstance(x, float) else str(x)
