@@ -1,6 +1,8 @@
 """AsyncLLMEngine: concurrent asyncio requests, cancellation frees blocks, errors reach the caller."""
 
 import asyncio
+import threading
+import time
 
 import pytest
 
@@ -83,6 +85,52 @@ def test_an_abort_during_a_step_is_applied_when_the_step_ends(engines):
     asyncio.run(main())
     stats = async_engine.stats()
     assert stats.running == 0 and stats.waiting == 0 and stats.kv_cache_usage == 0
+
+
+def test_a_new_request_goes_in_before_the_next_step(engines):
+    """A request that comes while a step runs waits for that step only: the engine thread lets the requests queuing
+    for its lock in before it takes the next step (a plain lock went back to the thread that had just released it,
+    and a new request waited several decode steps). Its time to first token counts from the call."""
+    async_engine, _ = engines
+    engine = async_engine.engine
+    real_step, release, stepping = engine.step, threading.Event(), threading.Event()
+    seen: list[int] = []  # per step: how many requests the engine held when it began
+    arrivals: dict[int, float] = {}
+
+    def step():
+        seen.append(len(engine.requests))
+        arrivals.update((i, r.arrival) for i, r in engine.requests.items())
+        stepping.set()
+        release.wait(10)  # the first step is held until the newcomer waits for the lock
+        return real_step()
+
+    engine.step = step
+
+    async def main():
+        first = async_engine.generate([5] * 8, SamplingParams(max_tokens=40, ignore_eos=True))
+        task = asyncio.create_task(anext(first))
+        await asyncio.to_thread(stepping.wait, 10)
+        second = async_engine.generate([6] * 8, SamplingParams(max_tokens=2, ignore_eos=True))
+        called = time.perf_counter()
+        queued = asyncio.create_task(anext(second))
+        for _ in range(500):
+            await asyncio.sleep(0.002)
+            if async_engine._adders:  # the newcomer waits for the lock
+                break
+        assert async_engine._adders == 1
+        waiting = time.perf_counter()
+        release.set()
+        await task
+        delta = await queued
+        assert called <= arrivals[delta.request_id] <= waiting  # from the call, not from when it got the lock
+        await first.aclose()
+        await second.aclose()
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.step = real_step
+    assert seen[:2] == [1, 2]
 
 
 def test_bad_requests_raise_in_the_caller_and_the_engine_keeps_serving(engines):

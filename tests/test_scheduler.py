@@ -25,9 +25,10 @@ def next_token(context: list[int]) -> int:
 
 class FakeEngine:
     def __init__(self, num_blocks=1000, block_size=4, max_num_seqs=64, max_num_batched_tokens=2048,
-                 enable_chunked_prefill=True, enable_prefix_caching=True, check=True):
+                 enable_chunked_prefill=True, enable_prefix_caching=True, check=True, prefill_chunk_tokens=None):
         self.bm = BlockManager(num_blocks, block_size, enable_prefix_caching)
-        self.sched = Scheduler(self.bm, max_num_seqs, max_num_batched_tokens, enable_chunked_prefill)
+        self.sched = Scheduler(self.bm, max_num_seqs, max_num_batched_tokens, enable_chunked_prefill,
+                               prefill_chunk_tokens=prefill_chunk_tokens)
         self.kv: dict[int, tuple[int, int]] = {}  # slot -> (position, token)
         self.seqs: list[Sequence] = []
         self.check = check
@@ -174,6 +175,38 @@ def test_chunked_prefill_splits_long_prompts_and_mixes_with_decodes():
         [(0, 1, True), (1, 10, True)],
         [(0, 1, True), (1, 1, True)],
     ]
+
+
+def test_a_burst_gets_its_first_tokens_in_arrival_order_a_chunk_a_step():
+    """Six 40-token prompts at once, chunks of 64 prompt tokens a step: the first token of each comes in
+    arrival order, a step or two apart, while the ones already started decode every step; the outputs are
+    those of each request alone."""
+    prompts = [list(range(10 * i, 10 * i + 40)) for i in range(6)]
+    alone = []
+    for i, prompt in enumerate(prompts):
+        single = FakeEngine(prefill_chunk_tokens=64)
+        single.add(prompt, max_tokens=12, seq_id=i)
+        alone.append(single.run()[i])
+        assert single.steps[0] == [(i, 40, True)]  # alone in the engine: the whole prompt in one step
+    eng = FakeEngine(prefill_chunk_tokens=64)
+    for i, prompt in enumerate(prompts):
+        eng.add(prompt, max_tokens=12, seq_id=i)
+    outputs = eng.run()
+    assert [outputs[i] for i in range(6)] == alone
+    assert eng.steps[0] == [(0, 40, True), (1, 24, False)]
+    assert eng.steps[1] == [(0, 1, True), (1, 16, True), (2, 40, True), (3, 8, False)]
+    first_token = {}
+    for k, step in enumerate(eng.steps):
+        prompt_tokens = sum(n for seq_id, n, _ in step if n > 1 or len(eng.seqs[seq_id].prompt_token_ids) == 1)
+        assert prompt_tokens <= 64
+        for seq_id, _, sample in step:
+            if sample:
+                first_token.setdefault(seq_id, k)
+    assert [first_token[i] for i in range(6)] == [0, 1, 1, 2, 3, 3]
+    # every started request decodes in every step until it ends: no step of prompts alone holds it back
+    for seq_id in range(6):
+        ran = [k for k, step in enumerate(eng.steps) if any(s == seq_id for s, _, _ in step)]
+        assert ran == list(range(ran[0], ran[-1] + 1))
 
 
 def test_without_chunked_prefill_a_prompt_runs_whole_or_waits():

@@ -781,8 +781,8 @@ def cmd_serve(args) -> int:
     memory = args.models_memory if args.models_memory is not None else default_models_memory()
     policy = ModelPolicy(memory, args.max_loaded_models,
                          parse_keep_alive(args.keep_alive, "--keep-alive"))
-    engine_options = _given(args, "max_num_seqs", "max_num_batched_tokens", "max_model_len", "kv_cache_memory",
-                            "max_loras", "max_lora_rank")
+    engine_options = _given(args, "max_num_seqs", "max_num_batched_tokens", "prefill_chunk_tokens", "max_model_len",
+                            "kv_cache_memory", "max_loras", "max_lora_rank")
     speculative = _speculative(args)
     if speculative is not None:
         engine_options["speculative"] = speculative
@@ -1138,6 +1138,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, default=None, help="sequences in one batch")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="tokens in one step (prompt chunks + decodes; an embedding forward's inputs)")
+    p.add_argument("--prefill-chunk-tokens", type=int, default=None,
+                   help="prompt tokens in one step while other requests wait or decode (default 256): first tokens"
+                        " come in arrival order, a few requests a step; a prompt alone runs at the whole budget")
     p.add_argument("--max-model-len", type=int, default=None, help="cap on a sequence's length (default: the model's context)")
     p.add_argument("--kv-cache-memory", type=int, default=None,
                    help="bytes for each text model's KV cache (default: what its weights leave of its share of"

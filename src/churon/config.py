@@ -456,6 +456,10 @@ class EngineConfig:
     kv_dtype: str = "auto"  # "auto" (the backend's choice), "float32", "bfloat16", "float16", "int8"
     max_num_seqs: int = 32  # sequences in one step
     max_num_batched_tokens: int = 2048  # tokens in one step (prompt chunks + decodes)
+    # prompt tokens in one step while other requests wait or decode (a prompt alone in the engine takes the whole
+    # max_num_batched_tokens): requests get their first tokens in arrival order, a few per step, rather than all
+    # at the end of one long step, and the others' decoding stalls for a chunk at most (scheduler.py)
+    prefill_chunk_tokens: int = 256
     max_model_len: int | None = None  # cap on a sequence's length (default: the model's context length)
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
@@ -465,7 +469,7 @@ class EngineConfig:
 
     def __post_init__(self):
         self.speculative = SpeculativeConfig.of(self.speculative)
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "prefill_chunk_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"invalid engine setting {name}={value!r}: must be an integer >= 1")

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+import time
 from collections import deque
 from typing import AsyncIterator, Sequence
 
@@ -35,6 +36,11 @@ class AsyncLLMEngine:
         self._work = threading.Condition(self._lock)
         self._queues: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._pending_aborts: deque[int] = deque()  # aborts asked for while a step held the lock
+        # new requests waiting for the lock: the engine thread lets them in before its next step (a lock is not
+        # fair: the thread that just released it takes it again first, and a request waited whole decode steps for
+        # its turn, ~150 ms of its time to first token under 16 streams)
+        self._adders = 0
+        self._adders_lock = threading.Lock()
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="churon-engine", daemon=True)
         self._thread.start()
@@ -45,11 +51,12 @@ class AsyncLLMEngine:
         Bad input (an over-long prompt, bad token ids) raises here, before anything is queued; a request
         that fails while it generates raises GenerationError.
         """
+        arrival = time.perf_counter()  # its time to first token counts from here, the wait for the lock included
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         # A step holds the lock for its whole length: wait for it on a worker thread, so the event
         # loop keeps streaming the other requests' tokens meanwhile.
-        adding = loop.run_in_executor(None, self._add, prompt_ids, params, loop, queue)
+        adding = loop.run_in_executor(None, self._add, prompt_ids, params, loop, queue, arrival)
         try:
             request_id = await asyncio.shield(adding)
         except asyncio.CancelledError:  # the caller left while the request was being queued: take it out again
@@ -72,14 +79,21 @@ class AsyncLLMEngine:
                 self.abort(request_id)
 
     def _add(self, prompt_ids: Sequence[int], params: SamplingParams | None, loop: asyncio.AbstractEventLoop,
-             queue: asyncio.Queue) -> int:
-        with self._work:
-            if self._closed:
-                raise RuntimeError("the engine is shut down")
-            request_id = self.engine.add_request(prompt_ids, params)
-            self._queues[request_id] = (loop, queue)
-            self._work.notify()
-            return request_id
+             queue: asyncio.Queue, arrival: float) -> int:
+        with self._adders_lock:
+            self._adders += 1
+        try:
+            with self._work:
+                if self._closed:
+                    raise RuntimeError("the engine is shut down")
+                request_id = self.engine.add_request(prompt_ids, params, arrival)
+                self._queues[request_id] = (loop, queue)
+                return request_id
+        finally:
+            with self._adders_lock:
+                self._adders -= 1
+            with self._work:
+                self._work.notify_all()
 
     def abort(self, request_id: int) -> None:
         """Stop a request and free its KV blocks: at once when no step is running, else as soon as
@@ -136,6 +150,8 @@ class AsyncLLMEngine:
                     self.engine.abort(self._pending_aborts.popleft())
                 while not self._closed and not self.engine.has_unfinished():
                     self._work.wait()
+                # requests queuing for the lock go in first (bounded: a wait that is not woken ends in 50 ms)
+                self._work.wait_for(lambda: self._adders == 0 or self._closed, timeout=0.05)
                 if self._closed:
                     return
                 try:

@@ -87,6 +87,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.block_manager, self.config.max_num_seqs, self.config.max_num_batched_tokens, self.config.enable_chunked_prefill,
             max_prompt_logits_rows=max(1, PROMPT_LOGITS_BYTES // (4 * self.model_config.vocab_size)),
+            prefill_chunk_tokens=self.config.prefill_chunk_tokens,
         )
         self.runner = ModelRunner(model, self.cache)
         self.structured_output = StructuredOutput(tokenizer, self.model_config.vocab_size)
@@ -153,9 +154,11 @@ class LLMEngine:
                 " shorten the prompt (nothing was truncated)"
             )
 
-    def add_request(self, prompt_ids: Sequence[int], params: SamplingParams | None = None) -> int:
+    def add_request(self, prompt_ids: Sequence[int], params: SamplingParams | None = None,
+                    arrival: float | None = None) -> int:
         """Queue a request; returns its id. Raises at once for a prompt that can never run, or a LoRA
-        adapter that is not loaded (UnknownLoraError, a ValueError)."""
+        adapter that is not loaded (UnknownLoraError, a ValueError). arrival: when the request reached the
+        caller (time.perf_counter()), the start of its time to first token; default now."""
         params = params or SamplingParams()
         prompt_ids = [int(t) for t in prompt_ids]
         self.check_prompt(prompt_ids)
@@ -169,7 +172,7 @@ class LLMEngine:
             lora_slot=-1 if lora is None else lora.slot, lora_scale=float(params.lora_scale),
             hash_seed=None if lora is None else lora.hash_seed(params.lora_scale),
         )
-        request = Request(seq, self.tokenizer, self.model_config.vocab_size, grammar, self.latency)
+        request = Request(seq, self.tokenizer, self.model_config.vocab_size, grammar, self.latency, arrival)
         total = len(prompt_ids) + max_new
         if not self.scheduler.can_ever_fit(total, len(prompt_ids)):
             capacity = min(self.memory_plan.longest_sequence, self.context_length)

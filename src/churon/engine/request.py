@@ -27,8 +27,9 @@ from churon.tokenizer import Detokenizer, Tokenizer
 
 class Request:
     def __init__(self, seq: Sequence, tokenizer: Tokenizer, vocab_size: int, grammar: Grammar | None = None,
-                 latency: Latency | None = None):
-        """latency: where the engine records this request's time to first token and inter-token gaps."""
+                 latency: Latency | None = None, arrival: float | None = None):
+        """latency: where the engine records this request's time to first token and inter-token gaps; arrival: when
+        the request came in (time.perf_counter(); default now)."""
         params = seq.params
         self.latency = latency
         self.seq = seq
@@ -36,7 +37,7 @@ class Request:
         self.sampler = Sampler(params, vocab_size, seq.prompt_token_ids)
         self.grammar = grammar
         self.detokenizer = Detokenizer(tokenizer, seq.prompt_token_ids, params.skip_special_tokens, params.stop)
-        self.arrival = time.perf_counter()
+        self.arrival = time.perf_counter() if arrival is None else arrival
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
         # per token drawn and not yet output: its logprob (when params.logprobs is set) and whether it completed the
