@@ -85,6 +85,22 @@ def isa(request):
     kernels.cpu.set_isa(before)
 
 
+# Where the CPU has AMX: the tiles (the default ISA) and the VNNI kernels they equal bit for bit (the amx copy's
+# matmuls switched off), for the engine-level invariance tests; elsewhere the default ISA alone
+TILE_ISAS = ["amx", "avx512"] if "amx" in KERNEL_ISAS else [None]
+
+
+@pytest.fixture(params=TILE_ISAS, ids=lambda isa: isa or "default-isa")
+def tiles_on_off(request):
+    if request.param is None:
+        yield None
+        return
+    before = kernels.cpu.isa()
+    kernels.cpu.set_isa(request.param)
+    yield request.param
+    kernels.cpu.set_isa(before)
+
+
 @pytest.fixture
 def threads():
     before = kernels.cpu.get_num_threads()

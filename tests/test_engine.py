@@ -65,7 +65,7 @@ def alone(model_and_tokenizer, ps, params, **options) -> list[list[int]]:
     ids=["default", "no-prefix-cache", "no-chunked-prefill", "small-chunks", "few-seqs", "preemption", "bf16-kv", "f16-kv",
          "int8-kv", "int8-kv-preemption"],
 )
-def test_outputs_do_not_depend_on_the_batch(model_and_tokenizer, options):
+def test_outputs_do_not_depend_on_the_batch(model_and_tokenizer, options, tiles_on_off):
     ps = prompts(16, seed=1, shared_prefix=20)
     params = [GREEDY if i % 2 else sampled(i) for i in range(len(ps))]
     kv = {"kv_dtype": options["kv_dtype"]} if "kv_dtype" in options else {}

@@ -91,7 +91,7 @@ def test_seeded_sampling_is_reproducible(llm):
     assert a.token_ids != c.token_ids
 
 
-def test_outputs_do_not_depend_on_the_batch(llm):
+def test_outputs_do_not_depend_on_the_batch(llm, tiles_on_off):
     """16 requests of different lengths sharing a system prompt: each one's greedy and seeded-sampled tokens
     are the same alone (no prefix cache) as batched with prefix-cache hits, in small prefill chunks, and
     through preemptions under a tiny KV cache."""
