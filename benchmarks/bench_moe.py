@@ -150,7 +150,10 @@ def in_process(engine: str, path: Path, prompts_file: Path, args) -> dict:
     cmd = [sys.executable, __file__, "--engine", engine, "--gguf", str(path), "--prompts", str(prompts_file),
            "--result", str(result), "--threads", str(args.threads), "--repeats", str(args.repeats),
            "--kernels", args.kernels]
-    subprocess.run(cmd, check=True)
+    env = dict(os.environ)
+    if engine == "llama.cpp" and args.llama_cpp_site is not None:  # another llama-cpp-python build, first on the path
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(args.llama_cpp_site), env.get("PYTHONPATH", "")) if p)
+    subprocess.run(cmd, check=True, env=env)
     return json.loads(result.read_text())
 
 
@@ -162,6 +165,9 @@ def main() -> None:
                         help="run both engines this many times, in turn; the ratios are the median of the rounds'")
     parser.add_argument("--work-dir", type=Path, default=Path("/tmp/churon-bench-moe"),
                         help="where the model is built once and reused")
+    parser.add_argument("--llama-cpp-site", type=Path, default=None,
+                        help="measure the llama-cpp-python installed in this directory (pip install --target DIR) instead"
+                             " of the one in this environment, e.g. a -march=native build")
     parser.add_argument("--kernels", default="auto", choices=["auto", "native", "reference"], help="churon's kernels")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     # a child's run of one engine (in_process)
