@@ -212,6 +212,17 @@ def test_streaming_completion(client, llm):
     assert chunks[-1].choices[0].finish_reason == "length" and chunks[-1].usage is None
 
 
+def test_system_fingerprint_names_the_configuration_that_decides_the_arithmetic(client, llm):
+    # the server runs the model as the in-process LLM does (one thread, its kernels, a float32 cache)
+    assert llm.fingerprint.startswith("native-") and "threads=1 kv=float32" in llm.fingerprint
+    answers = [client.completions.create(model=MODEL, prompt="Once upon", max_tokens=2),
+               client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2)]
+    answers += list(client.completions.create(model=MODEL, prompt="Once upon", max_tokens=2, stream=True))
+    answers += list(client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, stream=True,
+                                                   stream_options={"include_usage": True}))
+    assert {a.system_fingerprint for a in answers} == {llm.fingerprint}
+
+
 def test_n_choices_use_consecutive_seeds_and_seeds_reproduce(client, llm):
     ids = llm.chat_prompt_ids(MESSAGES)
     r = client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=1.0, max_tokens=12, n=3, seed=7,

@@ -101,9 +101,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
         params = [dataclasses.replace(p, json_schema=None, grammar=plan.grammar) for p in params]
     requests = [EngineRequest(prompt_ids, p) for p in params]
     generation = await start_generation(request, state, served, requests, prompt_param="messages")
-    id, tokenizer, model = render.new_id("chatcmpl"), llm.tokenizer, served.name
+    origin, tokenizer = render.Origin(render.new_id("chatcmpl"), served.name, llm.fingerprint), llm.tokenizer
     if body.stream:
-        return sse(_chat_stream(generation, id, model, tokenizer, plan, logprobs is not None,
+        return sse(_chat_stream(generation, origin, tokenizer, plan, logprobs is not None,
                                 body.stream_options or StreamOptions()))
     outputs = await finish_generation(request, generation)
     choices = []
@@ -112,16 +112,16 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
         choice_logprobs = render.chat_logprobs(tokenizer, o.logprobs) if logprobs is not None else None
         choices.append(render.chat_choice(i, content, _finish_reason(o.finish_reason, bool(calls)), choice_logprobs, calls))
     usage = render.usage(len(prompt_ids), sum(len(o.token_ids) for o in outputs))
-    return render.chat_response(id, model, choices, usage)
+    return render.chat_response(origin, choices, usage)
 
 
-async def _chat_stream(generation: Generation, id: str, model: str, tokenizer: Tokenizer, plan: ToolPlan,
+async def _chat_stream(generation: Generation, origin: render.Origin, tokenizer: Tokenizer, plan: ToolPlan,
                        logprobs: bool, options: StreamOptions) -> AsyncIterator[dict[str, Any]]:
     prompt_tokens = len(generation.requests[0].prompt_ids)
     generated = [0] * len(generation.requests)  # tokens of each choice so far: one per delta
 
     def chunk(i: int, delta: dict[str, Any], finish_reason: str | None = None, logprobs: dict[str, Any] | None = None):
-        c = render.chat_chunk(id, model, i, delta, finish_reason, logprobs)
+        c = render.chat_chunk(origin, i, delta, finish_reason, logprobs)
         return render.with_usage(c, prompt_tokens, generated[i]) if options.continuous_usage else c
 
     parsers = [plan.stream() for _ in generation.requests]  # text held back while it may open a tool call
@@ -142,4 +142,4 @@ async def _chat_stream(generation: Generation, id: str, model: str, tokenizer: T
         if d.finish_reason is not None:
             yield chunk(i, {}, _finish_reason(d.finish_reason, bool(parsers[i].completed)))
     if options.include_usage:
-        yield render.usage_chunk(id, "chat.completion.chunk", model, render.usage(prompt_tokens, sum(generated)))
+        yield render.usage_chunk(origin, "chat.completion.chunk", render.usage(prompt_tokens, sum(generated)))

@@ -44,17 +44,17 @@ async def completions(body: CompletionRequest, request: Request, state: ServerSt
         EngineRequest(ids, sampling_params(body, j, run_tokens, body.logprobs, body.logprobs if want_prompt_logprobs else None))
         for ids, _ in prompts for j in range(body.n)
     ]
-    id, tokenizer, model = render.new_id("cmpl"), llm.tokenizer, served.name
+    origin, tokenizer = render.Origin(render.new_id("cmpl"), served.name, llm.fingerprint), llm.tokenizer
     prompt_tokens = sum(len(ids) for ids, _ in prompts)
     if max_tokens == 0 and not want_prompt_logprobs:
         for r in requests:  # nothing to run, but a bad prompt is still a 400
             _check_prompt(llm, r.prompt_ids)
         choices = [render.completion_choice(i, prompts[i // body.n][1] if body.echo else "", "length", None)
                    for i in range(len(requests))]
-        return render.completion_response(id, model, choices, render.usage(prompt_tokens, 0))
+        return render.completion_response(origin, choices, render.usage(prompt_tokens, 0))
     generation = await start_generation(request, state, served, requests, prompt_param="prompt")
     if body.stream:
-        return sse(_completion_stream(generation, id, model, tokenizer, body, prompts, body.stream_options or StreamOptions()))
+        return sse(_completion_stream(generation, origin, tokenizer, body, prompts, body.stream_options or StreamOptions()))
     outputs = await finish_generation(request, generation)
     choices = []
     for i, o in enumerate(outputs):
@@ -69,7 +69,7 @@ async def completions(body: CompletionRequest, request: Request, state: ServerSt
         logprobs = render.completion_logprobs(tokenizer, token_ids, entries) if body.logprobs is not None else None
         choices.append(render.completion_choice(i, text, finish, logprobs))
     completion_tokens = sum(len(o.token_ids) for o in outputs) if max_tokens else 0
-    return render.completion_response(id, model, choices, render.usage(prompt_tokens, completion_tokens))
+    return render.completion_response(origin, choices, render.usage(prompt_tokens, completion_tokens))
 
 
 def _count(prompt) -> int:
@@ -108,14 +108,14 @@ def _check_prompt(llm: LLM, ids: list[int]) -> None:
         raise APIError(400, str(e), param="prompt")
 
 
-async def _completion_stream(generation: Generation, id: str, model: str, tokenizer: Tokenizer, body: CompletionRequest,
+async def _completion_stream(generation: Generation, origin: render.Origin, tokenizer: Tokenizer, body: CompletionRequest,
                              prompts: list[tuple[list[int], str]], options: StreamOptions) -> AsyncIterator[dict[str, Any]]:
     offsets = [0] * len(generation.requests)  # text_offset of each choice's next token
     generated = [0] * len(generation.requests)  # tokens of each choice so far: one per delta
     echoed: set[int] = set()
 
     def chunk(i: int, text: str, finish_reason: str | None, logprobs: dict[str, Any] | None) -> dict[str, Any]:
-        c = render.completion_chunk(id, model, render.completion_choice(i, text, finish_reason, logprobs))
+        c = render.completion_chunk(origin, render.completion_choice(i, text, finish_reason, logprobs))
         return render.with_usage(c, len(prompts[i // body.n][0]), generated[i]) if options.continuous_usage else c
 
     async for i, d in generation.deltas():
@@ -136,4 +136,4 @@ async def _completion_stream(generation: Generation, id: str, model: str, tokeni
             yield chunk(i, d.text, d.finish_reason, logprobs)
     if options.include_usage:
         prompt_tokens = sum(len(ids) for ids, _ in prompts)
-        yield render.usage_chunk(id, "text_completion", model, render.usage(prompt_tokens, sum(generated)))
+        yield render.usage_chunk(origin, "text_completion", render.usage(prompt_tokens, sum(generated)))

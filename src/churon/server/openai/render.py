@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
 
 from churon.tokenizer import Tokenizer
 from churon.tool_calls import TextDelta, ToolCall, ToolCallStart
@@ -24,8 +24,18 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
 
 
-def _header(id: str, object: str, model: str) -> dict[str, Any]:
-    return {"id": id, "object": object, "created": int(time.time()), "model": model, "system_fingerprint": None}
+class Origin(NamedTuple):
+    """Who answers: the response's id, the model as the request named it, and the configuration that decides
+    its arithmetic (LLM.fingerprint: two answers with the same one and the same seed are bitwise the same)."""
+
+    id: str
+    model: str
+    fingerprint: str
+
+
+def _header(origin: Origin, object: str) -> dict[str, Any]:
+    return {"id": origin.id, "object": object, "created": int(time.time()), "model": origin.model,
+            "system_fingerprint": origin.fingerprint}
 
 
 def token_text(tokenizer: Tokenizer, token_id: int) -> str:
@@ -43,8 +53,8 @@ def chat_logprobs(tokenizer: Tokenizer, entries: Sequence[TokenLogprob]) -> dict
     return {"content": [item(e.token_id, e.logprob) | {"top_logprobs": [item(t, lp) for t, lp in e.top]} for e in entries]}
 
 
-def chat_response(id: str, model: str, choices: list[dict[str, Any]], usage_: dict[str, int]) -> dict[str, Any]:
-    return _header(id, "chat.completion", model) | {"choices": choices, "usage": usage_}
+def chat_response(origin: Origin, choices: list[dict[str, Any]], usage_: dict[str, int]) -> dict[str, Any]:
+    return _header(origin, "chat.completion") | {"choices": choices, "usage": usage_}
 
 
 def chat_choice(index: int, text: str | None, finish_reason: str, logprobs: dict[str, Any] | None,
@@ -70,10 +80,10 @@ def chat_stream_delta(event: StreamEvent) -> dict[str, Any]:
     return {"tool_calls": [{"index": event.index, "function": {"arguments": event.fragment}}]}
 
 
-def chat_chunk(id: str, model: str, index: int, delta: dict[str, Any], finish_reason: str | None = None,
+def chat_chunk(origin: Origin, index: int, delta: dict[str, Any], finish_reason: str | None = None,
                logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
-    return _header(id, "chat.completion.chunk", model) | {"choices": [choice]}
+    return _header(origin, "chat.completion.chunk") | {"choices": [choice]}
 
 
 def with_usage(chunk: dict[str, Any], prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
@@ -81,9 +91,9 @@ def with_usage(chunk: dict[str, Any], prompt_tokens: int, completion_tokens: int
     return chunk | {"usage": usage(prompt_tokens, completion_tokens)}
 
 
-def usage_chunk(id: str, object: str, model: str, usage_: dict[str, int]) -> dict[str, Any]:
+def usage_chunk(origin: Origin, object: str, usage_: dict[str, int]) -> dict[str, Any]:
     """The last chunk of a stream with include_usage: no choices, the whole request's usage."""
-    return _header(id, object, model) | {"choices": [], "usage": usage_}
+    return _header(origin, object) | {"choices": [], "usage": usage_}
 
 
 # --- completions ---------------------------------------------------------------------------
@@ -110,13 +120,13 @@ def completion_logprobs(
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
 
 
-def completion_response(id: str, model: str, choices: list[dict[str, Any]], usage_: dict[str, int]) -> dict[str, Any]:
-    return _header(id, "text_completion", model) | {"choices": choices, "usage": usage_}
+def completion_response(origin: Origin, choices: list[dict[str, Any]], usage_: dict[str, int]) -> dict[str, Any]:
+    return _header(origin, "text_completion") | {"choices": choices, "usage": usage_}
 
 
 def completion_choice(index: int, text: str, finish_reason: str | None, logprobs: dict[str, Any] | None) -> dict[str, Any]:
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
-def completion_chunk(id: str, model: str, choice: dict[str, Any]) -> dict[str, Any]:
-    return _header(id, "text_completion", model) | {"choices": [choice]}
+def completion_chunk(origin: Origin, choice: dict[str, Any]) -> dict[str, Any]:
+    return _header(origin, "text_completion") | {"choices": [choice]}
