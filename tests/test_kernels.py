@@ -93,6 +93,12 @@ def test_isa_api():
     cpu.set_isa(before)
 
 
+def test_weights_are_prefetched_ahead_on_intel_cpus_only():
+    # the vendor as Linux reports it: Intel's L3 serves the weights faster with the prefetch, AMD's slower
+    vendors = {line.split(":")[1].strip() for line in open("/proc/cpuinfo") if line.startswith("vendor_id")}
+    assert cpu.prefetch_weights_ahead() == (vendors == {"GenuineIntel"})
+
+
 def test_isa_env_var():
     code = "from churon import kernels; print(kernels.cpu.isa())"
     env = dict(os.environ, CHURON_ISA="scalar")

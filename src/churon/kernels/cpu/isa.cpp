@@ -69,6 +69,16 @@ const std::vector<IsaEntry>& all_isas() {  // best first
 }
 
 const KernelTable* g_kt = nullptr;
+bool g_prefetch_ahead = false;
+
+bool cpu_intel() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_cpu_init();
+  return __builtin_cpu_is("intel");
+#else
+  return false;
+#endif
+}
 
 }  // namespace
 
@@ -95,7 +105,10 @@ void set_isa(const std::string& name) {
 
 const KernelTable* kt() { return g_kt; }
 
+bool prefetch_weights_ahead() { return g_prefetch_ahead; }
+
 std::string init_isa() {
+  g_prefetch_ahead = cpu_intel();
   for (const auto& e : all_isas()) {
     if (e.supported()) {
       g_kt = e.table();

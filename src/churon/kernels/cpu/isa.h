@@ -18,6 +18,12 @@ void set_isa(const std::string& name);
 // the kernels of the ISA chosen now
 const KernelTable* kt();
 
+// Whether a quantized matmul prefetches its weight groups 4 ahead into L2 at every row count: on
+// Intel CPUs, whose L3 the hardware prefetchers alone serve slowly to one core (a SmolLM2 decode step
+// reads its 50 MB from the Xeon's L3); elsewhere only with many rows, the next group (on AMD EPYC Zen 4 a
+// prefetch for a few rows was slower). Decided once at import; never changes a result.
+bool prefetch_weights_ahead();
+
 // At import: the best ISA this CPU supports, then CHURON_ISA if set. A bad CHURON_ISA keeps the
 // best ISA and is reported, not fatal: returns why it was not applied (empty when it was, or unset).
 std::string init_isa();

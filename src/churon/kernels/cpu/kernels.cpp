@@ -22,6 +22,7 @@
 #include <type_traits>
 
 #include "common.h"
+#include "isa.h"
 #include "simd.h"
 
 #if defined(K_AMX)
@@ -264,21 +265,25 @@ void gemm_q(const QWeights& w, const ActQ& a, int64_t m, float* y, const float* 
   if (m >= kAmxMinRows && gemm_amx<QT>(w, a, m / 16 * 16, y, bias, g0, g1)) first = m / 16 * 16;
   if (first == m) return;
 #endif
+#if defined(K_SIMD)
+  const bool ahead4 = prefetch_weights_ahead();
+#endif
   for (int64_t g = g0; g < g1; ++g) {
-#if defined(K_AMX)
-    // The group 4 ahead into L2, whatever m. On the AMX Xeon this was measured on, a decode step's weights
-    // (SmolLM2: 50 MB) come from its L3, which the hardware prefetchers alone delivered at ~17 GB/s: with
-    // it SmolLM2's decode went from 153-159 to 162-167 tok/s (four interleaved rounds; 4 ahead was the best
-    // of 1, 2 and 4 in a noisier single pass, and the claim grain, 2 to 8 groups, changed nothing).
-    if (g + 4 < w.ngroups) {
-      const uint8_t* ahead = w.data + (g + 4) * w.group_bytes;
-      for (int64_t off = 0; off < w.group_bytes; off += 64) simd::prefetch_l2(ahead + off);
-    }
-#elif defined(K_SIMD)
-    // many activation rows: the group's tiles take long enough to fetch the next group's
-    // weights meanwhile, which would otherwise stall the first tile on memory (for a few rows, on the
-    // AMD EPYC Zen 4 this was measured on, a software prefetch here was slower)
-    if (m - first > kMaxTile && g + 1 < w.ngroups) {
+#if defined(K_SIMD)
+    if (ahead4) {
+      // The group 4 ahead into L2, whatever m (Intel: isa.h). On the AMX Xeon this was measured on, a decode
+      // step's weights (SmolLM2: 50 MB) come from its L3, which the hardware prefetchers alone delivered at
+      // ~17 GB/s: SmolLM2's decode went from 153-159 to 162-167 tok/s on the amx copy (four interleaved rounds;
+      // 4 ahead was the best of 1, 2 and 4, and the claim grain, 2 to 8 groups, changed nothing), and from
+      // 252-269 to 289-310 on the avx512 copy (three interleaved rounds).
+      if (g + 4 < w.ngroups) {
+        const uint8_t* ahead = w.data + (g + 4) * w.group_bytes;
+        for (int64_t off = 0; off < w.group_bytes; off += 64) simd::prefetch_l2(ahead + off);
+      }
+    } else if (m - first > kMaxTile && g + 1 < w.ngroups) {
+      // many activation rows: the group's tiles take long enough to fetch the next group's weights
+      // meanwhile, which would otherwise stall the first tile on memory (for a few rows, on the AMD EPYC
+      // Zen 4 this was measured on, a software prefetch here was slower)
       const uint8_t* next = w.data + (g + 1) * w.group_bytes;
       for (int64_t off = 0; off < w.group_bytes; off += 64) simd::prefetch_l2(next + off);
     }
