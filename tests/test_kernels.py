@@ -231,6 +231,25 @@ def test_float_matmul(isa, qtype, m):
         assert bool(((y.double() - want).abs() <= tol).all())
 
 
+@pytest.mark.parametrize("narrow, qtype", [(torch.bfloat16, T.BF16), (torch.float16, T.F16)], ids=["bf16", "f16"])
+def test_float32_weights_holding_bf16_or_fp16_values_are_stored_narrow_with_the_same_results(isa, narrow, qtype):
+    from churon.model.native_backend import NativeBackend
+
+    rows, cols = 37, 100
+    w = torch.randn(rows, cols, generator=torch.Generator().manual_seed(3))
+    # zeros of both signs, a subnormal of the narrow type, a power of two: all exact in it
+    w[0, :4] = torch.tensor([0.0, -0.0, 1e-40 if narrow is torch.bfloat16 else 2.0**-20, -3.5])
+    w = w.to(narrow).float()  # a bf16 / fp16 checkpoint as the Hugging Face reader hands it over
+    wide = cpu.QMatrix(w.view(torch.uint8).numpy().reshape(-1), int(T.F32), rows, cols)
+    q = NativeBackend().matrix(w)
+    assert q.qtype == int(qtype) and q.nbytes == wide.nbytes // 2
+    for m in (1, 5, 17):
+        x = activations(m, cols)
+        assert torch.equal(matmul(q, x), matmul(wide, x))
+        assert torch.equal(NativeBackend().linear_precise(q, x), NativeBackend().linear_precise(wide, x))
+    assert NativeBackend().matrix(w * (1 + 2.0**-20)).qtype == int(T.F32)  # not every value narrow: float32 kept
+
+
 @pytest.mark.parametrize("qtype", [T.Q4_1, T.Q8_0, T.Q6_K], ids=lambda t: t.name)
 def test_matmul_precise(isa, qtype, threads):
     # precise: x = hi + lo, both 8-bit quantized; the error left is that of quantizing lo

@@ -24,6 +24,17 @@ from churon.model.kv_layout import KVLayout
 from churon.model.weights import RawWeight, RowStack, dense
 
 
+def _narrowest_float(t: torch.Tensor) -> tuple[torch.Tensor, GGMLQuantizationType]:
+    """A float32 matrix as bfloat16 or float16 when every value is one (a Hugging Face checkpoint in bf16 or fp16
+    reaches the backend as float32): the same values in half the bytes, so a memory-bound decode reads half as
+    much, and the float kernels widen each weight back to float32 exactly, so every result is the same bits."""
+    for dtype, qtype in ((torch.bfloat16, GGMLQuantizationType.BF16), (torch.float16, GGMLQuantizationType.F16)):
+        narrow = t.to(dtype)
+        if torch.equal(narrow.float(), t):
+            return narrow, qtype
+    return t, GGMLQuantizationType.F32
+
+
 class NativeBackend:
     """churon._cpu kernels; every tensor float32 and contiguous."""
 
@@ -57,8 +68,8 @@ class NativeBackend:
         if isinstance(w, GGUFTensor) and w.qtype in self.NATIVE_TYPES:
             raw, qtype, (rows, cols) = w.data, w.qtype, w.shape
         else:
-            t = dense(w).contiguous()
-            raw, qtype, (rows, cols) = t.view(torch.uint8).numpy().reshape(-1), GGMLQuantizationType.F32, t.shape
+            t, qtype = _narrowest_float(dense(w).contiguous())
+            raw, (rows, cols) = t.view(torch.uint8).numpy().reshape(-1), t.shape
         return self.cpu.QMatrix(np.ascontiguousarray(raw), int(qtype), int(rows), int(cols))
 
     def vector(self, w: RawWeight) -> torch.Tensor:
