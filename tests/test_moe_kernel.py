@@ -17,7 +17,7 @@ from churon.model.weights import quantized
 pytestmark = pytest.mark.skipif(not kernels.native_available(), reason=kernels.reason)
 
 HIDDEN, FFN, EXPERTS = 256, 256, 8  # K-quants need multiples of 256 columns
-QTYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.F16, Q.F32]
+QTYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.F16, Q.BF16, Q.F32]
 
 
 def make_experts(backend, qtype: Q, seed: int = 0, num_experts: int = EXPERTS):
