@@ -161,10 +161,7 @@ def measure_in_child(engine: str, prompts_file: Path, argv: list[str], site: Pat
     """run_engine in a process of its own (site: a directory put first on its sys.path, where another build of
     the peer is installed); None when it failed (its stderr is shown)."""
     cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--engine", engine, "--prompts", str(prompts_file)]
-    env = dict(os.environ)
-    if site is not None:
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(site), env.get("PYTHONPATH", "")) if p)
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=peer.child_env(site))
     if proc.returncode != 0:
         print(f"  {engine}: failed (exit {proc.returncode})\n{proc.stderr[-2000:]}")
         return None

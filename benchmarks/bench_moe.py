@@ -150,10 +150,8 @@ def in_process(engine: str, path: Path, prompts_file: Path, args) -> dict:
     cmd = [sys.executable, __file__, "--engine", engine, "--gguf", str(path), "--prompts", str(prompts_file),
            "--result", str(result), "--threads", str(args.threads), "--repeats", str(args.repeats),
            "--kernels", args.kernels]
-    env = dict(os.environ)
-    if engine == "llama.cpp" and args.llama_cpp_site is not None:  # another llama-cpp-python build, first on the path
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(args.llama_cpp_site), env.get("PYTHONPATH", "")) if p)
-    subprocess.run(cmd, check=True, env=env)
+    site = args.llama_cpp_site if engine == "llama.cpp" else None  # another llama-cpp-python build, first on the path
+    subprocess.run(cmd, check=True, env=peer.child_env(site))
     return json.loads(result.read_text())
 
 

@@ -13,6 +13,7 @@ from an empty KV cache, and reading logits straight out of llama.cpp's buffer.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Sequence
@@ -23,6 +24,15 @@ if TYPE_CHECKING:
     import llama_cpp
 
 DISTRIBUTION = "llama_cpp_python"  # what pip installs as llama-cpp-python; its module is llama_cpp
+
+
+def child_env(site: Path | None) -> dict[str, str]:
+    """The environment for a child process that measures llama.cpp: this one's, with `site` (a directory where
+    another llama-cpp-python build is installed, pip install --target) first on its sys.path when given."""
+    env = dict(os.environ)
+    if site is not None:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(site), env.get("PYTHONPATH", "")) if p)
+    return env
 
 
 def import_llama_cpp() -> ModuleType:
