@@ -20,15 +20,16 @@ from setuptools.command.build_ext import build_ext
 CPU_DIR = os.path.join("src", "churon", "kernels", "cpu")
 KERNEL_SOURCE = os.path.join(CPU_DIR, "kernels.cpp")
 # what kernels.cpp includes: the SIMD mapping, and the loops written per ISA
-KERNEL_HEADERS = [os.path.join(CPU_DIR, h) for h in ("common.h", "simd.h", "matmul_amx.inc", "matmul_avx512.inc",
-                                                    "matmul_avx2.inc", "matmul_scalar.inc", "attention_avx512.inc",
-                                                    "lora.inc")]
+KERNEL_HEADERS = [os.path.join(CPU_DIR, h) for h in ("common.h", "simd.h", "matmul_amx.inc", "matmul_amx_bf16.inc",
+                                                    "matmul_avx512.inc", "matmul_avx2.inc", "matmul_scalar.inc",
+                                                    "attention_avx512.inc", "lora.inc")]
 # compiled once, with COMMON_FLAGS only
 MODULE_SOURCES = [os.path.join(CPU_DIR, f) for f in ("module.cpp", "isa.cpp", "repack.cpp", "qmatrix.cpp", "moe.cpp",
                                                     "decoder.cpp", "ops.cpp", "lora.cpp", "threadpool.cpp",
-                                                    "weight_memory.cpp")]
+                                                    "tile_matrix.cpp", "weight_memory.cpp")]
 MODULE_HEADERS = [os.path.join(CPU_DIR, h) for h in ("common.h", "decoder.h", "driver.h", "isa.h", "ops.h",
-                                                    "qmatrix.h", "repack.h", "threadpool.h", "weight_memory.h")]
+                                                    "qmatrix.h", "repack.h", "threadpool.h", "tile_matrix.h",
+                                                    "weight_memory.h")]
 
 # -ffp-contract=off: a*b+c stays two roundings unless the code asks for an FMA, which keeps
 # dequantization bitwise equal to ggml and each ISA's results reproducible.
@@ -42,8 +43,9 @@ if IS_X86:
     ISA_FLAGS["avx2"] = ["-mavx2", "-mfma", "-mf16c"] + QUIET
     ISA_FLAGS["avx512"] = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni",
                            "-mavx2", "-mfma", "-mf16c"] + QUIET
-    # AVX-512 plus the AMX-INT8 tiles (its quantized matmuls; everything else is the avx512 copy's code)
-    ISA_FLAGS["amx"] = ISA_FLAGS["avx512"] + ["-mamx-tile", "-mamx-int8"]
+    # AVX-512 plus the AMX-INT8 tiles (its quantized matmuls) and the AMX-BF16 ones (an encoder's bfloat16
+    # matmuls); everything else is the avx512 copy's code
+    ISA_FLAGS["amx"] = ISA_FLAGS["avx512"] + ["-mamx-tile", "-mamx-int8", "-mamx-bf16"]
 # a compiler too old for these flags builds the others without them
 OPTIONAL_ISAS = {"amx"}
 

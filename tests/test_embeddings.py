@@ -39,13 +39,6 @@ def reference_llm(tiny_bert_dir):
     return LLM(tiny_bert_dir, kernels="reference", threads=1)
 
 
-@pytest.fixture(scope="module")
-def native_llm(tiny_bert_dir):
-    if not kernels.native_available():
-        pytest.skip(kernels.reason)
-    return LLM(tiny_bert_dir, kernels="native", threads=2)
-
-
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got - want).abs().max() / want.abs().max())
 
@@ -90,18 +83,29 @@ def test_gguf_encoder_equals_the_hf_directory(tiny_bert_dir, reference_llm, tmp_
     assert relative_error(torch.tensor(llm.embed(TEXTS)), torch.tensor(reference_llm.embed(TEXTS))) <= 1e-5
 
 
+def cpu_has_bf16_tiles() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return "amx_bf16" in f.read().split()
+    except OSError:
+        return False
+
+
 @native_only
-def test_native_vectors_are_close_to_the_reference(native_llm, reference_llm, st_model):
-    """Q8_0 weights (quantized at load) and 8-bit activations: the issue's floor for the native path."""
-    got = torch.tensor(native_llm.embed(TEXTS))
+def test_native_vectors_are_close_to_the_reference(tiny_bert_dir, tiles_on_off, reference_llm, st_model):
+    """The issue's floor for the native path, for both of its matmuls: float weights on the AMX-BF16 tiles (ISA amx,
+    where the CPU has them), else Q8_0 weights (quantized at load) against 8-bit activations."""
+    llm = LLM(tiny_bert_dir, kernels="native", threads=2)
+    got = torch.tensor(llm.embed(TEXTS))
     assert F.cosine_similarity(got, torch.tensor(st_model.encode(TEXTS))).min() >= 0.999
     assert F.cosine_similarity(got, torch.tensor(reference_llm.embed(TEXTS))).min() >= 0.999
-    assert native_llm.model.layers[0].up.layout.startswith("Q8_0")
+    tiles = tiles_on_off == "amx" and cpu_has_bf16_tiles()
+    assert llm.model.layers[0].up.layout.startswith("BF16 AMX tiles" if tiles else "Q8_0")
 
 
 @native_only
 @pytest.mark.parametrize("budget", [2048, 40])
-def test_a_vector_is_bitwise_the_same_alone_and_in_a_batch(tiny_bert_dir, budget):
+def test_a_vector_is_bitwise_the_same_alone_and_in_a_batch(tiny_bert_dir, tiles_on_off, budget):
     """32 inputs of other lengths around it, packed into forwards of up to `budget` tokens, 1 or 2 threads."""
     llm = LLM(tiny_bert_dir, kernels="native", threads=2, max_num_batched_tokens=budget)
     target = "the quick brown fox jumps over the lazy dog."

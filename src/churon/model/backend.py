@@ -81,6 +81,8 @@ class Backend(Protocol):
 
     def matrix(self, w: RawWeight) -> Any: ...  # a weight matrix as the kernels read it (has .nbytes)
 
+    def encoder_matrix(self, w: RawWeight) -> Any: ...  # an encoder's (embedding model's) matmul weight: see NativeBackend
+
     def vector(self, w: RawWeight) -> torch.Tensor: ...  # a norm weight or bias
 
     def embedding(self, table: Any, ids: torch.Tensor) -> torch.Tensor: ...

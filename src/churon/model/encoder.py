@@ -9,10 +9,10 @@ Attention is bidirectional within each input: inputs are packed back to back wit
 attends to every token of its own input and nothing else, and no KV cache is kept. Every input is one
 sentence, so its token types are all 0 (what sentence-transformers passes).
 
-On the native kernels the four matmuls of a layer run on Q8_0 weights, a float checkpoint's (a Hugging Face
-directory) quantized at load: 8-bit weights against the 8-bit activations VNNI multiplies run at about three
-times the F32 matmul's rate, and all-MiniLM-L6-v2's vectors keep a cosine >= 0.9995 with sentence-transformers'
-(tests/test_embeddings_real.py). A GGUF's weights run as stored; the reference backend keeps every weight exact.
+On the native kernels the four matmuls of a layer run as Backend.encoder_matrix makes them: float weights (a
+Hugging Face directory, an F32/F16/BF16 GGUF) on the AMX-BF16 tiles where the CPU has them, else as Q8_0 blocks
+quantized at load; quantized GGUF weights as stored. all-MiniLM-L6-v2's vectors keep a cosine >= 0.9995 with
+sentence-transformers' either way (tests/test_embeddings_real.py); the reference backend keeps every weight exact.
 """
 
 from __future__ import annotations
@@ -21,13 +21,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from gguf import GGMLQuantizationType
 
 from churon.config import EncoderConfig
 from churon.model.backend import Backend
 from churon.model.batch import PackedBatch
 from churon.model.reference_backend import ReferenceBackend
-from churon.model.weights import RawWeight, concat_rows, dense, quantized
+from churon.model.weights import RawWeight, concat_rows, dense
 
 GELU_APPROXIMATION = {"gelu": "none", "gelu_tanh": "tanh"}  # EncoderConfig.hidden_act -> gelu's approximate
 
@@ -63,18 +62,18 @@ class EncoderLayerWeights:
         a = p + "attention.self."
         b = backend
 
-        def raw(name: str) -> RawWeight:  # a matmul's weight as the backend runs it (see the module's docstring)
-            return quantized(weights[name], GGMLQuantizationType.Q8_0, name) if b.name == "native" else weights[name]
+        def matrix(*names: str) -> Any:  # a matmul's weight (rows stacked) as the backend runs it
+            return b.encoder_matrix(concat_rows([weights[n] for n in names]))
 
         return cls(
-            qkv=b.matrix(concat_rows([raw(a + f"{x}.weight") for x in ("query", "key", "value")])),
+            qkv=matrix(*(a + f"{x}.weight" for x in ("query", "key", "value"))),
             qkv_bias=b.vector(torch.cat([dense(weights[a + f"{x}.bias"]) for x in ("query", "key", "value")])),
-            o=b.matrix(raw(p + "attention.output.dense.weight")),
+            o=matrix(p + "attention.output.dense.weight"),
             o_bias=b.vector(weights[p + "attention.output.dense.bias"]),
             attn_norm=Norm.build(weights, p + "attention.output.LayerNorm.", b),
-            up=b.matrix(raw(p + "intermediate.dense.weight")),
+            up=matrix(p + "intermediate.dense.weight"),
             up_bias=b.vector(weights[p + "intermediate.dense.bias"]),
-            down=b.matrix(raw(p + "output.dense.weight")),
+            down=matrix(p + "output.dense.weight"),
             down_bias=b.vector(weights[p + "output.dense.bias"]),
             out_norm=Norm.build(weights, p + "output.LayerNorm.", b),
         )

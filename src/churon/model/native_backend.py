@@ -21,7 +21,7 @@ from churon.config import ModelConfig
 from churon.model.backend import Experts, KVCache, RopeTables
 from churon.model.batch import ForwardBatch
 from churon.model.kv_layout import KVLayout
-from churon.model.weights import RawWeight, RowStack, dense
+from churon.model.weights import RawWeight, RowStack, dense, quantized
 
 
 def _narrowest_float(t: torch.Tensor) -> tuple[torch.Tensor, GGMLQuantizationType]:
@@ -71,6 +71,20 @@ class NativeBackend:
             t, qtype = _narrowest_float(dense(w).contiguous())
             raw, (rows, cols) = t.view(torch.uint8).numpy().reshape(-1), t.shape
         return self.cpu.QMatrix(np.ascontiguousarray(raw), int(qtype), int(rows), int(cols))
+
+    def encoder_matrix(self, w: RawWeight):
+        """An encoder's matmul weight. Float weights run on the AMX-BF16 tiles where this CPU has them (and the amx
+        ISA is chosen): x and W rounded to bfloat16, the products summed in float32, at 2-3x the 8-bit matmul's rate
+        on all-MiniLM-L6-v2's shapes; elsewhere as Q8_0 blocks quantized at load, whose 8-bit products VNNI runs at
+        about three times the float32 matmul's rate. Quantized GGUF weights run as stored. Either way a row's result
+        does not depend on the other rows of the call."""
+        floats = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
+        if isinstance(w, torch.Tensor) or (isinstance(w, GGUFTensor) and w.qtype in floats):
+            if self.cpu.bf16_tiles_available():
+                t = dense(w).float().contiguous()
+                return self.cpu.Bf16TileMatrix(t.numpy(), t.shape[0], t.shape[1])
+            w = quantized(w, GGMLQuantizationType.Q8_0, getattr(w, "name", "encoder weight"))
+        return self.matrix(w)
 
     def vector(self, w: RawWeight) -> torch.Tensor:
         return dense(w).contiguous()

@@ -27,6 +27,8 @@ class ReferenceBackend:
     def matrix(self, w: RawWeight) -> torch.Tensor:
         return dense(w).to(self.dtype)
 
+    encoder_matrix = matrix  # every weight exact
+
     def vector(self, w: RawWeight) -> torch.Tensor:
         return dense(w).to(self.dtype)
 

@@ -76,6 +76,14 @@ struct QWeights {
   const uint8_t* data = nullptr;
 };
 
+// A matrix in bfloat16 for the AMX-BF16 tiles (matmul_amx_bf16.inc has the layout): rows in groups of 16,
+// cols padded with zeros to kp, a multiple of 32
+struct Bf16Tiles {
+  int64_t rows = 0, cols = 0, kp = 0, ngroups = 0;
+  int64_t ldy = 0;  // the output's row stride
+  const uint16_t* data = nullptr;
+};
+
 // Activations quantized to 8 bits, per 32 values: q = round_half_even(x / d) with
 // d = max|x| / 127 (computed as x * (1/d)), and the block sums used by the offset/min terms.
 struct ActQ {
@@ -232,6 +240,10 @@ struct KernelTable {
   // LoRA tasks [t0, t1): shrink writes h, expand adds to y (see LoraArgs)
   void (*lora_shrink)(const LoraArgs& a, const LoraTask* tasks, int64_t t0, int64_t t1);
   void (*lora_expand)(const LoraArgs& a, const LoraTask* tasks, int64_t t0, int64_t t1);
+  // y[m, rows] = x W^T + bias16 for the row groups [g0, g1) on AMX-BF16 tiles (Bf16Tiles); x: bfloat16
+  // rows of w.kp in whole tiles of 16 rows, bias16: w.ngroups * 16 floats. Null where the ISA has none.
+  void (*gemm_bf16_tiles)(const Bf16Tiles& w, const uint16_t* x, int64_t m, float* y, const float* bias16,
+                          int64_t g0, int64_t g1);
 };
 
 namespace scalar { const KernelTable* table(); }

@@ -235,6 +235,9 @@ void quantize_act(const float* x, int64_t m0, int64_t m1, const ActQ& a) {
 #if defined(K_AMX)
 #include "matmul_avx512.inc"
 #include "matmul_amx.inc"
+#if defined(K_AMX_BF16)
+#include "matmul_amx_bf16.inc"
+#endif
 #elif defined(K_AVX512)
 #include "matmul_avx512.inc"
 #elif defined(K_AVX2)
@@ -1072,6 +1075,11 @@ const KernelTable* table() {
       CHURON_STR(CHURON_ISA), quantize_act, gemm, dequant_rows, dequant_rows_bf16,
       rms_norm, add_rms_norm, rope, layer_norm, gelu, swiglu, geglu, softmax, attn_partial, attn_combine, attn_packed,
       read_bytes, to_half, lora_shrink, lora_expand,
+#if defined(K_AMX_BF16)
+      gemm_bf16_tiles,
+#else
+      nullptr,
+#endif
   };
   return &t;
 }

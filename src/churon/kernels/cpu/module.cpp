@@ -13,6 +13,7 @@
 #include "isa.h"
 #include "ops.h"
 #include "qmatrix.h"
+#include "tile_matrix.h"
 #include "threadpool.h"
 
 namespace py = pybind11;
@@ -155,6 +156,27 @@ PYBIND11_MODULE(_cpu, m) {
            "bfloat16 [rows, cols] (round to nearest even).")
       .def("dequantize_rows", &QMatrix::dequantize_rows, py::arg("ids_ptr"), py::arg("n"), py::arg("out_ptr"),
            "out[n, cols] = the dequantized rows ids[n] (int64): an embedding lookup.");
+
+  m.def("bf16_tiles_available", [] { return bf16_tiles_gemm() != nullptr; },
+        "Whether a Bf16TileMatrix can be built: the ISA chosen now is amx, the CPU has AMX-BF16 tiles and"
+        " Linux lets this process use them.");
+  py::class_<Bf16TileMatrix>(m, "Bf16TileMatrix")
+      .def(py::init([](py::buffer raw, int64_t rows, int64_t cols) {
+             const py::buffer_info info = raw.request();
+             if (info.format != py::format_descriptor<float>::format())
+               throw std::invalid_argument("Bf16TileMatrix: the weights must be float32");
+             return new Bf16TileMatrix(static_cast<const float*>(info.ptr), int64_t(info.size) * int64_t(info.itemsize),
+                                       is_contiguous(info), rows, cols);
+           }),
+           py::arg("raw"), py::arg("rows"), py::arg("cols"),
+           "A [rows, cols] float32 matrix rounded to bfloat16 and packed for the AMX-BF16 tiles.")
+      .def_property_readonly("rows", &Bf16TileMatrix::rows)
+      .def_property_readonly("cols", &Bf16TileMatrix::cols)
+      .def_property_readonly("layout", &Bf16TileMatrix::layout)
+      .def_property_readonly("nbytes", &Bf16TileMatrix::nbytes)
+      .def("matmul", &Bf16TileMatrix::matmul, py::arg("x_ptr"), py::arg("y_ptr"), py::arg("m"), py::arg("bias_ptr") = 0,
+           "y[m, rows] = bf16(x[m, cols]) @ bf16(W)^T (+ bias[rows]), the products summed in float32 on the"
+           " tiles; float32, C-contiguous. A row's result is the same whatever m.");
 
   py::class_<QMatrixStack>(m, "QMatrixStack")
       .def(py::init<const std::vector<const QMatrix*>&>(), py::arg("parts"), py::keep_alive<1, 2>(),

@@ -1,0 +1,104 @@
+// Bf16TileMatrix (see tile_matrix.h): packing at construction, and the matmul's driver: x rounded to
+// bfloat16 rows of whole tiles, the bias spread per group, the row groups split across threads.
+
+#include "tile_matrix.h"
+
+#include <algorithm>
+#include <cstring>
+#include <stdexcept>
+
+#include "driver.h"
+#include "threadpool.h"
+
+namespace churon {
+namespace {
+
+// float32 -> bfloat16, round to nearest even (NaN stays a quiet NaN): the activations' rounding too
+uint16_t to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);
+  return uint16_t((u + 0x7fffu + ((u >> 16) & 1)) >> 16);
+}
+
+// scratch for the bfloat16 activations and the spread bias (calls are serialized by the GIL)
+Buffer g_x_buf, g_bias_buf;
+
+}  // namespace
+
+Bf16TileMatrix::Bf16TileMatrix(const float* w, int64_t raw_bytes, bool raw_contiguous, int64_t rows, int64_t cols) {
+  gemm_ = bf16_tiles_gemm();
+  if (!gemm_)
+    throw std::invalid_argument("Bf16TileMatrix: no AMX-BF16 tiles here (CPU, Linux, compiler, or the ISA chosen)");
+  if (rows <= 0 || cols <= 0 || rows > (int64_t(1) << 31) || cols > (int64_t(1) << 31))
+    throw std::invalid_argument("Bf16TileMatrix: rows and cols must be in 1 .. 2^31");
+  if (!raw_contiguous) throw std::invalid_argument("Bf16TileMatrix: the weights must be C-contiguous");
+  if (raw_bytes != rows * cols * 4)
+    throw std::invalid_argument("Bf16TileMatrix: " + std::to_string(raw_bytes) + " bytes for a " + std::to_string(rows) +
+                                " x " + std::to_string(cols) + " float32 matrix (" + std::to_string(rows * cols * 4) +
+                                " expected)");
+  t_.rows = rows;
+  t_.cols = cols;
+  t_.kp = (cols + 31) / 32 * 32;
+  t_.ngroups = (rows + 15) / 16;
+  t_.ldy = rows;
+  mem_ = WeightMemory(size_t(nbytes()) + 64);
+  uint16_t* out = reinterpret_cast<uint16_t*>(mem_.data());
+  // group g, step s: 16 rows (k) of 16 output rows n x 2 columns 32 s + 2 k + t, at 512 (g * steps + s) +
+  // 32 k + 2 n + t; the pads zero
+  std::memset(out, 0, size_t(nbytes()));
+  const int64_t steps = t_.kp / 32;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t g = r / 16, n = r % 16;
+    for (int64_t c = 0; c < cols; ++c) {
+      const int64_t s = c / 32, k = (c % 32) / 2, t = c % 2;
+      out[512 * (g * steps + s) + 32 * k + 2 * n + t] = to_bf16(w[r * cols + c]);
+    }
+  }
+  t_.data = out;
+}
+
+std::string Bf16TileMatrix::layout() const {
+  return "BF16 AMX tiles (16-row groups, 32-column steps of 16 x 64 bytes, " + std::to_string(t_.kp) + " columns)";
+}
+
+void Bf16TileMatrix::matmul(uintptr_t xp, uintptr_t yp, int64_t m, uintptr_t biasp) const {
+  if (m < 0) throw std::invalid_argument("matmul: m must be >= 0");
+  if (m == 0) return;
+  const float* x = ptr<const float>(xp, "matmul: x");
+  float* y = ptr<float>(yp, "matmul: y");
+  const float* bias = reinterpret_cast<const float*>(biasp);  // may be null
+  const int64_t cols = t_.cols, kp = t_.kp, mp = (m + 15) / 16 * 16;
+  g_bias_buf.reserve(size_t(t_.ngroups * 16) * 4);
+  float* bias16 = reinterpret_cast<float*>(g_bias_buf.p);
+  std::memset(bias16, 0, size_t(t_.ngroups * 16) * 4);
+  if (bias) std::memcpy(bias16, bias, size_t(t_.rows) * 4);
+  // x as bfloat16 rows of kp in whole tiles of rows, the pads zero
+  g_x_buf.reserve(size_t(mp * kp) * 2);
+  uint16_t* xb = reinterpret_cast<uint16_t*>(g_x_buf.p);
+  const KernelTable* k = kt();
+  auto convert = [&](int64_t r0, int64_t r1) {  // rows [r0, r1) of the padded x
+    for (int64_t r = r0; r < r1; ++r) {
+      if (r < m) k->to_half(x + r * cols, xb + r * kp, cols, true);
+      std::memset(xb + r * kp + (r < m ? cols : 0), 0, size_t(r < m ? kp - cols : kp) * 2);
+    }
+  };
+  const Bf16Tiles& t = t_;
+  const auto gemm = gemm_;
+  const int64_t blocks = (m + 31) / 32;  // the kernel's 32 rows at a time
+  if (blocks >= 2 * get_num_threads()) {
+    // Many rows: each thread converts blocks of rows and multiplies them by every group, so its rows stay
+    // in its own L2 beside the weights (by groups, every thread read all of x, half of it from the other
+    // core's cache: no faster on 2 threads than on 1)
+    parallel_for(blocks, 1, [&](int64_t b0, int64_t b1, int) {
+      const int64_t r0 = 32 * b0, r1 = std::min<int64_t>(32 * b1, mp);
+      convert(r0, r1);
+      gemm(t, xb + r0 * kp, std::min<int64_t>(32 * b1, m) - r0, y + r0 * t.ldy, bias16, 0, t.ngroups);
+    });
+  } else {  // few rows: the groups split across threads
+    convert(0, mp);
+    parallel_for(t_.ngroups, kMatmulGrain, [&](int64_t g0, int64_t g1, int) { gemm(t, xb, m, y, bias16, g0, g1); });
+  }
+}
+
+}  // namespace churon
