@@ -22,7 +22,7 @@ KERNEL_SOURCE = os.path.join(CPU_DIR, "kernels.cpp")
 # what kernels.cpp includes: the SIMD mapping, and the loops written per ISA
 KERNEL_HEADERS = [os.path.join(CPU_DIR, h) for h in ("common.h", "simd.h", "matmul_amx.inc", "matmul_amx_bf16.inc",
                                                     "matmul_avx512.inc", "matmul_avx2.inc", "matmul_scalar.inc",
-                                                    "attention_avx512.inc", "lora.inc")]
+                                                    "attention_avx512.inc", "attention_amx_bf16.inc", "lora.inc")]
 # compiled once, with COMMON_FLAGS only
 MODULE_SOURCES = [os.path.join(CPU_DIR, f) for f in ("module.cpp", "isa.cpp", "repack.cpp", "qmatrix.cpp", "moe.cpp",
                                                     "decoder.cpp", "ops.cpp", "lora.cpp", "threadpool.cpp",

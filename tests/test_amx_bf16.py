@@ -1,17 +1,22 @@
-"""The AMX-BF16 matmul (churon._cpu.Bf16TileMatrix, an encoder's float weights on AMX CPUs): x and W rounded to
-bfloat16 (round to nearest even), the products summed in float32, equal to a float64 product of the rounded values
+"""The AMX-BF16 kernels of an embedding model on AMX CPUs. The matmul (churon._cpu.Bf16TileMatrix): x and W rounded
+to bfloat16 (round to nearest even), the products summed in float32, equal to a float64 product of the rounded values
 within float32 summation error; a row's result is bitwise the same whatever the other rows of the call and the
-thread count; shapes of any size (partial row groups, columns not a multiple of 32, any number of rows).
+thread count; shapes of any size (partial row groups, columns not a multiple of 32, any number of rows). The packed
+attention (attention_packed(bf16_tiles=True)): q, k, v and the softmax weights in bfloat16, a row's result
+independent of what is packed with it.
 
 Skipped where the CPU (or Linux, or the compiler that built churon) has no AMX-BF16 tiles.
 """
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
 from churon import kernels
+from churon.kernels import ops
 
 cpu = kernels.cpu
 pytestmark = pytest.mark.skipif(
@@ -99,5 +104,69 @@ def test_only_where_the_amx_isa_is_chosen():
         assert not cpu.bf16_tiles_available()
         with pytest.raises(ValueError, match="no AMX-BF16 tiles"):
             cpu.Bf16TileMatrix(torch.randn(4, 8).numpy(), 4, 8)
+    finally:
+        cpu.set_isa(before)
+
+
+def packed(lens: list[int], heads: int, head_dim: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    qkv = torch.randn(sum(lens), 3 * heads * head_dim, generator=torch.Generator().manual_seed(seed))
+    return qkv, torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int64)
+
+
+def attention_reference(qkv, heads, head_dim, starts, scale):
+    """float64 attention of the bfloat16-rounded q, k, v with the softmax weights rounded to bfloat16 (their sum not),
+    and the bound of what one bfloat16 rounding step of each weight could move a value: 2^-8 sum p |v| / sum p"""
+    width = heads * head_dim
+    b = qkv.bfloat16().double()
+    out, bound = torch.empty(qkv.shape[0], width, dtype=torch.float64), torch.empty(qkv.shape[0], width, dtype=torch.float64)
+    bounds = starts.tolist()
+    for lo, hi in zip(bounds, bounds[1:]):
+        q, k, v = (b[lo:hi, i * width : (i + 1) * width].reshape(hi - lo, heads, head_dim).transpose(0, 1) for i in range(3))
+        s = (q @ k.transpose(1, 2)) * scale
+        p = torch.exp(s - s.amax(-1, keepdim=True))
+        total = p.sum(-1, keepdim=True)
+        out[lo:hi] = ((p.bfloat16().double() @ v) / total).transpose(0, 1).reshape(hi - lo, width)
+        bound[lo:hi] = (2**-8 * (p @ v.abs()) / total).transpose(0, 1).reshape(hi - lo, width)
+    return out, bound
+
+
+@pytest.mark.parametrize("head_dim", [32, 64])
+@pytest.mark.parametrize("lens", [[5], [128], [17, 64, 3, 100], [1, 300, 33]], ids=str)
+def test_packed_attention_matches_the_bfloat16_reference(threads, head_dim, lens):
+    threads(2)
+    heads, scale = 3, head_dim**-0.5
+    qkv, starts = packed(lens, heads, head_dim, seed=sum(lens) + head_dim)
+    got = ops.attention_packed(qkv, heads, head_dim, starts, scale, bf16_tiles=True).double()
+    want, bound = attention_reference(qkv, heads, head_dim, starts, scale)
+    err = (got - want).abs()
+    # float32 sums and exponentials: most values within 1e-5; a weight whose rounding the last bit of its
+    # exponential tipped moves a value by at most one bfloat16 step of it
+    assert float(err.median()) < 1e-5
+    assert bool((err <= bound + 1e-5).all())
+
+
+@pytest.mark.parametrize("n_threads", [1, 2])
+def test_packed_attention_rows_do_not_depend_on_their_neighbours(threads, n_threads):
+    threads(n_threads)
+    heads, head_dim, scale = 4, 32, 0.2
+    lens = [40, 1, 77, 16, 130, 9]
+    qkv, starts = packed(lens, heads, head_dim, seed=1)
+    together = ops.attention_packed(qkv, heads, head_dim, starts, scale, bf16_tiles=True)
+    for i, (lo, hi) in enumerate(zip(starts.tolist(), starts.tolist()[1:])):
+        alone = ops.attention_packed(qkv[lo:hi].contiguous(), heads, head_dim, torch.tensor([0, hi - lo]), scale,
+                                     bf16_tiles=True)
+        assert torch.equal(alone, together[lo:hi]), lens[i]
+
+
+def test_packed_attention_on_tiles_takes_head_dims_32_and_64():
+    qkv, starts = packed([10], 2, 16, seed=0)
+    with pytest.raises(ValueError, match="head_dim 32 or 64, not 16"):
+        ops.attention_packed(qkv, 2, 16, starts, 0.25, bf16_tiles=True)
+    before = cpu.isa()
+    cpu.set_isa("avx512")
+    try:
+        qkv, starts = packed([10], 2, 32, seed=0)
+        with pytest.raises(ValueError, match="no AMX-BF16 tiles"):
+            ops.attention_packed(qkv, 2, 32, starts, 0.25, bf16_tiles=True)
     finally:
         cpu.set_isa(before)

@@ -163,11 +163,13 @@ def gelu(x: torch.Tensor, approximate: str = "none", out: torch.Tensor | None = 
 
 
 def attention_packed(qkv: torch.Tensor, heads: int, head_dim: int, seq_starts: torch.Tensor, scale: float,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
+                     out: torch.Tensor | None = None, bf16_tiles: bool = False) -> torch.Tensor:
     """Bidirectional attention of every row over its own sequence's rows, sequences packed back to back.
 
     qkv float32 [tokens, >= 3H] (rows may be strided, columns not), H = heads * head_dim: q, k, v in its
     columns [0, H), [H, 2H), [2H, 3H); seq_starts int64 [n_seqs + 1] (check_seq_starts). Returns [tokens, H].
+    bf16_tiles: on the AMX-BF16 tiles (cpu.bf16_tiles_available(); head_dim 32 or 64), q, k, v and the softmax
+    weights rounded to bfloat16, the products summed in float32.
     """
     if qkv.dtype != torch.float32 or qkv.device.type != "cpu" or qkv.dim() != 2 or qkv.stride(1) != 1:
         raise ValueError("qkv must be a float32 CPU tensor [tokens, >= 3 * heads * head_dim] with unit column stride")
@@ -179,7 +181,7 @@ def attention_packed(qkv: torch.Tensor, heads: int, head_dim: int, seq_starts: t
     out = _out(out, (tokens, heads * head_dim))
     if tokens:
         _cpu().attention_packed(qkv.data_ptr(), seq_starts.data_ptr(), out.data_ptr(), tokens, seq_starts.numel() - 1,
-                                heads, head_dim, float(scale), qkv.stride(0) if tokens > 1 else qkv.shape[1])
+                                heads, head_dim, float(scale), qkv.stride(0) if tokens > 1 else qkv.shape[1], bf16_tiles)
     return out
 
 

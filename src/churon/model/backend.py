@@ -83,6 +83,8 @@ class Backend(Protocol):
 
     def encoder_matrix(self, w: RawWeight) -> Any: ...  # an encoder's (embedding model's) matmul weight: see NativeBackend
 
+    bf16_tiles: bool  # whether encoder_matrix puts float weights on the AMX-BF16 tiles (the native backend, there)
+
     def vector(self, w: RawWeight) -> torch.Tensor: ...  # a norm weight or bias
 
     def embedding(self, table: Any, ids: torch.Tensor) -> torch.Tensor: ...
@@ -111,12 +113,13 @@ class Backend(Protocol):
         ...
 
     def attention_packed(self, qkv: torch.Tensor, heads: int, head_dim: int, seq_starts: torch.Tensor,
-                         scale: float) -> torch.Tensor:
+                         scale: float, bf16_tiles: bool = False) -> torch.Tensor:
         """Bidirectional (encoder) attention over sequences packed back to back without padding.
 
         qkv [tokens, >= 3H] float32, H = heads * head_dim (its row stride may exceed its width): q, k and v
         are its columns [0, H), [H, 2H), [2H, 3H). seq_starts int64 [n_seqs + 1]: 0, len0, len0 + len1, ...,
-        tokens. Every token attends over all the tokens of its own sequence. Returns [tokens, H].
+        tokens. Every token attends over all the tokens of its own sequence. Returns [tokens, H]. bf16_tiles (where
+        the backend's bf16_tiles is true; head_dim 32 or 64): on the AMX-BF16 tiles, in bfloat16.
         """
         ...
 

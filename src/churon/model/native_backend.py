@@ -21,7 +21,7 @@ from churon.config import ModelConfig
 from churon.model.backend import Experts, KVCache, RopeTables
 from churon.model.batch import ForwardBatch
 from churon.model.kv_layout import KVLayout
-from churon.model.weights import RawWeight, RowStack, dense, quantized
+from churon.model.weights import RawWeight, RowStack, dense, is_float, quantized
 
 
 def _narrowest_float(t: torch.Tensor) -> tuple[torch.Tensor, GGMLQuantizationType]:
@@ -72,15 +72,19 @@ class NativeBackend:
             raw, (rows, cols) = t.view(torch.uint8).numpy().reshape(-1), t.shape
         return self.cpu.QMatrix(np.ascontiguousarray(raw), int(qtype), int(rows), int(cols))
 
+    @property
+    def bf16_tiles(self) -> bool:
+        """whether an encoder's float weights and its attention run on the AMX-BF16 tiles (encoder_matrix)"""
+        return self.cpu.bf16_tiles_available()
+
     def encoder_matrix(self, w: RawWeight):
         """An encoder's matmul weight. Float weights run on the AMX-BF16 tiles where this CPU has them (and the amx
         ISA is chosen): x and W rounded to bfloat16, the products summed in float32, at 2-3x the 8-bit matmul's rate
         on all-MiniLM-L6-v2's shapes; elsewhere as Q8_0 blocks quantized at load, whose 8-bit products VNNI runs at
         about three times the float32 matmul's rate. Quantized GGUF weights run as stored. Either way a row's result
         does not depend on the other rows of the call."""
-        floats = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
-        if isinstance(w, torch.Tensor) or (isinstance(w, GGUFTensor) and w.qtype in floats):
-            if self.cpu.bf16_tiles_available():
+        if is_float(w):
+            if self.bf16_tiles:
                 t = dense(w).float().contiguous()
                 return self.cpu.Bf16TileMatrix(t.numpy(), t.shape[0], t.shape[1])
             w = quantized(w, GGMLQuantizationType.Q8_0, getattr(w, "name", "encoder weight"))
@@ -152,10 +156,10 @@ class NativeBackend:
         return out
 
     def attention_packed(self, qkv: torch.Tensor, heads: int, head_dim: int, seq_starts: torch.Tensor,
-                         scale: float) -> torch.Tensor:
+                         scale: float, bf16_tiles: bool = False) -> torch.Tensor:
         """Every row over its own sequence's rows (q, k, v read in place from qkv's columns), bitwise the same
-        whatever else is packed with it and whatever the thread count."""
-        return ops.attention_packed(qkv, heads, head_dim, seq_starts, scale)
+        whatever else is packed with it and whatever the thread count; bf16_tiles: on the AMX-BF16 tiles."""
+        return ops.attention_packed(qkv, heads, head_dim, seq_starts, scale, bf16_tiles=bf16_tiles)
 
     def rope_and_cache(self, qkv: torch.Tensor, shape: tuple[int, int, int], batch: ForwardBatch, cos: torch.Tensor,
                        sin: torch.Tensor, cache: KVCache, layer: int,

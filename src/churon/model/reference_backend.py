@@ -28,6 +28,7 @@ class ReferenceBackend:
         return dense(w).to(self.dtype)
 
     encoder_matrix = matrix  # every weight exact
+    bf16_tiles = False
 
     def vector(self, w: RawWeight) -> torch.Tensor:
         return dense(w).to(self.dtype)
@@ -65,7 +66,7 @@ class ReferenceBackend:
         return F.gelu(x, approximate=approximate)
 
     def attention_packed(self, qkv: torch.Tensor, heads: int, head_dim: int, seq_starts: torch.Tensor,
-                         scale: float) -> torch.Tensor:
+                         scale: float, bf16_tiles: bool = False) -> torch.Tensor:
         """Bidirectional attention of every token over its own sequence's tokens; q, k, v are the column
         ranges [0, H), [H, 2H), [2H, 3H) of qkv [tokens, >= 3H], H = heads * head_dim. Returns [tokens, H]."""
         width = heads * head_dim

@@ -32,6 +32,14 @@ class RowStack:
 RawWeight = GGUFTensor | torch.Tensor | RowStack
 
 
+FLOAT_QTYPES = frozenset({GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16})
+
+
+def is_float(w: RawWeight) -> bool:
+    """a float tensor, or GGUF float bytes (F32, F16, BF16)"""
+    return isinstance(w, torch.Tensor) or (isinstance(w, GGUFTensor) and w.qtype in FLOAT_QTYPES)
+
+
 def dense(w: RawWeight) -> torch.Tensor:
     if isinstance(w, torch.Tensor):
         return w.float()

@@ -84,6 +84,13 @@ struct Bf16Tiles {
   const uint16_t* data = nullptr;
 };
 
+// floats of the per-thread scratch of attn_packed_bf16_tiles (attention_amx_bf16.inc) for sequences of at most
+// max_len rows: k's and v's tiles, q's A tiles, the scores, the softmax weights, the output tile
+static inline int64_t packed_bf16_scratch_floats(int64_t max_len, int64_t head_dim) {
+  const int64_t l32 = (max_len + 31) / 32 * 32;
+  return l32 * head_dim + 8 * head_dim + 16 * l32 + 8 * l32 + 16 * head_dim + 256;
+}
+
 // Activations quantized to 8 bits, per 32 values: q = round_half_even(x / d) with
 // d = max|x| / 127 (computed as x * (1/d)), and the block sums used by the offset/min terms.
 struct ActQ {
@@ -244,6 +251,9 @@ struct KernelTable {
   // rows of w.kp in whole tiles of 16 rows, bias16: w.ngroups * 16 floats. Null where the ISA has none.
   void (*gemm_bf16_tiles)(const Bf16Tiles& w, const uint16_t* x, int64_t m, float* y, const float* bias16,
                           int64_t g0, int64_t g1);
+  // attn_packed's tasks on AMX-BF16 tiles, head_dim 32 or 64; scratch: packed_bf16_scratch_floats floats of the
+  // thread. Null where the ISA has none.
+  void (*attn_packed_bf16_tiles)(const PackedAttnArgs& a, int64_t t0, int64_t t1, float* scratch);
 };
 
 namespace scalar { const KernelTable* table(); }

@@ -24,11 +24,11 @@ const KernelTable* kt();
 // prefetch for a few rows was slower). Decided once at import; never changes a result.
 bool prefetch_weights_ahead();
 
-// The AMX-BF16 matmul (KernelTable::gemm_bf16_tiles) when the ISA chosen now is amx, the CPU has the
-// bfloat16 tiles (CPUID 7.0 EDX bit 22) and Linux lets this process use tiles (asked here, for the whole
-// process); null otherwise. Those who hold its results keep this one pointer (tile_matrix.h).
-using Bf16TilesGemm = decltype(KernelTable::gemm_bf16_tiles);
-Bf16TilesGemm bf16_tiles_gemm();
+// The kernels of the AMX-BF16 tiles (KernelTable::gemm_bf16_tiles, attn_packed_bf16_tiles): the amx table when
+// it is the ISA chosen now, the CPU has the bfloat16 tiles (CPUID 7.0 EDX bit 22) and Linux lets this process
+// use tiles (asked here, for the whole process); null otherwise. Their results are those of no other kernel, so
+// who uses them keeps using them (tile_matrix.h).
+const KernelTable* bf16_tiles();
 
 // At import: the best ISA this CPU supports, then CHURON_ISA if set. A bad CHURON_ISA keeps the
 // best ISA and is reported, not fatal: returns why it was not applied (empty when it was, or unset).

@@ -1017,6 +1017,10 @@ void attn_packed(const PackedAttnArgs& a, int64_t t0, int64_t t1, float* scratch
   }
 }
 
+#if defined(K_AMX_BF16)
+#include "attention_amx_bf16.inc"
+#endif
+
 // dst[i] = src[i] as float16 (bf16 = false) or bfloat16, bit for bit as fp32_to_fp16 / fp32_to_bf16
 void to_half(const float* src, uint16_t* dst, int64_t n, bool bf16) {
   int64_t i = 0;
@@ -1076,9 +1080,9 @@ const KernelTable* table() {
       rms_norm, add_rms_norm, rope, layer_norm, gelu, swiglu, geglu, softmax, attn_partial, attn_combine, attn_packed,
       read_bytes, to_half, lora_shrink, lora_expand,
 #if defined(K_AMX_BF16)
-      gemm_bf16_tiles,
+      gemm_bf16_tiles, attn_packed_bf16_tiles,
 #else
-      nullptr,
+      nullptr, nullptr,
 #endif
   };
   return &t;

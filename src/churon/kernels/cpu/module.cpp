@@ -114,12 +114,13 @@ PYBIND11_MODULE(_cpu, m) {
         " tanh(s / softcap); sinks_ptr: float32 [num_heads] logits in each head's softmax denominator only.");
   m.def("attention_packed", &attention_packed, py::arg("qkv_ptr"), py::arg("seq_starts_ptr"), py::arg("out_ptr"),
         py::arg("tokens"), py::arg("n_seqs"), py::arg("heads"), py::arg("head_dim"), py::arg("scale"),
-        py::arg("row_stride") = 0,
+        py::arg("row_stride") = 0, py::arg("bf16_tiles") = false,
         "Bidirectional attention over sequences packed back to back: qkv float32 rows [tokens] row_stride"
         " floats apart (0: 3 * heads * head_dim) holding q, k, v in columns [0, H), [H, 2H), [2H, 3H), H ="
         " heads * head_dim; seq_starts int64 [n_seqs + 1] (0, len0, len0 + len1, ..., tokens); out float32"
         " [tokens, H]. Each row's result is the same whatever else is packed with it and whatever the"
-        " thread count.");
+        " thread count. bf16_tiles: on the AMX-BF16 tiles (bf16_tiles_available(); head_dim 32 or 64), q, k,"
+        " v and the softmax weights rounded to bfloat16.");
   m.def("lora_add", &lora_add, py::arg("y_ptr"), py::arg("y_stride"), py::arg("x_ptr"), py::arg("x_stride"),
         py::arg("tokens"), py::arg("in_features"), py::arg("out_features"), py::arg("slots_ptr"), py::arg("scales_ptr"),
         py::arg("table_ptr"), py::arg("n_slots"),
@@ -157,7 +158,7 @@ PYBIND11_MODULE(_cpu, m) {
       .def("dequantize_rows", &QMatrix::dequantize_rows, py::arg("ids_ptr"), py::arg("n"), py::arg("out_ptr"),
            "out[n, cols] = the dequantized rows ids[n] (int64): an embedding lookup.");
 
-  m.def("bf16_tiles_available", [] { return bf16_tiles_gemm() != nullptr; },
+  m.def("bf16_tiles_available", [] { return bf16_tiles() != nullptr; },
         "Whether a Bf16TileMatrix can be built: the ISA chosen now is amx, the CPU has AMX-BF16 tiles and"
         " Linux lets this process use them.");
   py::class_<Bf16TileMatrix>(m, "Bf16TileMatrix")

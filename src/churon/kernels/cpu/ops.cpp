@@ -311,8 +311,13 @@ void attention_decode(uintptr_t qp, uintptr_t kp, uintptr_t vp, uintptr_t btp, u
 }
 
 void attention_packed(uintptr_t qkvp, uintptr_t startsp, uintptr_t outp, int64_t tokens, int64_t n_seqs,
-                      int64_t heads, int64_t head_dim, double scale, int64_t row_stride) {
+                      int64_t heads, int64_t head_dim, double scale, int64_t row_stride, bool bf16_tiles) {
   if (heads <= 0 || head_dim <= 0) throw std::invalid_argument("attention_packed: heads and head_dim must be positive");
+  const KernelTable* tiles = bf16_tiles ? churon::bf16_tiles() : nullptr;
+  if (bf16_tiles && !tiles) throw std::invalid_argument("attention_packed: no AMX-BF16 tiles here");
+  if (bf16_tiles && head_dim != 32 && head_dim != 64)
+    throw std::invalid_argument("attention_packed: the AMX-BF16 tiles take head_dim 32 or 64, not " +
+                                std::to_string(head_dim));
   if (n_seqs < 0 || tokens < 0) throw std::invalid_argument("attention_packed: n_seqs and tokens must not be negative");
   if (row_stride == 0) row_stride = 3 * heads * head_dim;
   if (row_stride < 3 * heads * head_dim)
@@ -338,7 +343,9 @@ void attention_packed(uintptr_t qkvp, uintptr_t startsp, uintptr_t outp, int64_t
   a.heads = heads;
   a.head_dim = head_dim;
   a.scale = float(scale);
-  const int64_t per_thread = (packed_attn_scratch_floats(max_len, head_dim) + 15) / 16 * 16;
+  const int64_t per_thread =
+      ((tiles ? packed_bf16_scratch_floats(max_len, head_dim) : packed_attn_scratch_floats(max_len, head_dim)) + 15) /
+      16 * 16;
   const int64_t block_words = (2 * n_blocks + 15) / 16 * 16;
   g_packed_buf.reserve(size_t(block_words * 8 + per_thread * 4 * get_num_threads()) + 64);
   int64_t* block_seq = reinterpret_cast<int64_t*>(g_packed_buf.p);
@@ -351,9 +358,8 @@ void attention_packed(uintptr_t qkvp, uintptr_t startsp, uintptr_t outp, int64_t
     }
   a.block_seq = block_seq;
   a.block_row = block_row;
-  const KernelTable* k = kt();
-  parallel_for(n_blocks * heads, 1,
-               [&](int64_t b, int64_t e, int tid) { k->attn_packed(a, b, e, scratch + tid * per_thread); });
+  const auto run = tiles ? tiles->attn_packed_bf16_tiles : kt()->attn_packed;
+  parallel_for(n_blocks * heads, 1, [&](int64_t b, int64_t e, int tid) { run(a, b, e, scratch + tid * per_thread); });
 }
 
 uint64_t read_bytes(uintptr_t p, int64_t nbytes, int64_t repeat) {

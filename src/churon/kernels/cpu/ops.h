@@ -43,9 +43,10 @@ void attention_decode(uintptr_t qp, uintptr_t kp, uintptr_t vp, uintptr_t btp, u
                       uintptr_t sinksp);
 
 // bidirectional attention of every row of qkv [tokens, row_stride] over the rows of its own sequence,
-// sequences packed back to back (seq_starts int64 [n_seqs + 1]: 0, ..., tokens); out [tokens, heads * head_dim]
+// sequences packed back to back (seq_starts int64 [n_seqs + 1]: 0, ..., tokens); out [tokens, heads * head_dim];
+// bf16_tiles: on the AMX-BF16 tiles (bf16_tiles(), head_dim 32 or 64)
 void attention_packed(uintptr_t qkvp, uintptr_t startsp, uintptr_t outp, int64_t tokens, int64_t n_seqs,
-                      int64_t heads, int64_t head_dim, double scale, int64_t row_stride);
+                      int64_t heads, int64_t head_dim, double scale, int64_t row_stride, bool bf16_tiles);
 
 // LoRA, in place: y[t] += B_s (scales[t] * (A_s x[t])) for every token t whose slot s = slots[t] (int32,
 // -1: none) has an adapter; the slot table's layout is in common.h (kLoraFields). x rows x_stride floats

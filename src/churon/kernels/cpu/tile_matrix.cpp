@@ -27,8 +27,8 @@ Buffer g_x_buf, g_bias_buf;
 }  // namespace
 
 Bf16TileMatrix::Bf16TileMatrix(const float* w, int64_t raw_bytes, bool raw_contiguous, int64_t rows, int64_t cols) {
-  gemm_ = bf16_tiles_gemm();
-  if (!gemm_)
+  tiles_ = bf16_tiles();
+  if (!tiles_)
     throw std::invalid_argument("Bf16TileMatrix: no AMX-BF16 tiles here (CPU, Linux, compiler, or the ISA chosen)");
   if (rows <= 0 || cols <= 0 || rows > (int64_t(1) << 31) || cols > (int64_t(1) << 31))
     throw std::invalid_argument("Bf16TileMatrix: rows and cols must be in 1 .. 2^31");
@@ -84,7 +84,7 @@ void Bf16TileMatrix::matmul(uintptr_t xp, uintptr_t yp, int64_t m, uintptr_t bia
     }
   };
   const Bf16Tiles& t = t_;
-  const auto gemm = gemm_;
+  const auto gemm = tiles_->gemm_bf16_tiles;
   const int64_t blocks = (m + 31) / 32;  // the kernel's 32 rows at a time
   if (blocks >= 2 * get_num_threads()) {
     // Many rows: each thread converts blocks of rows and multiplies them by every group, so its rows stay

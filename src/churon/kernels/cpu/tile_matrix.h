@@ -1,5 +1,5 @@
 // Bf16TileMatrix: a float matrix rounded to bfloat16 and packed for the AMX-BF16 tiles
-// (matmul_amx_bf16.inc), and the parallel driver of its matmul. Built only where bf16_tiles_gemm()
+// (matmul_amx_bf16.inc), and the parallel driver of its matmul. Built only where bf16_tiles()
 // (isa.h) is available; every matmul of it runs on the tiles, for every row count, so a row's result
 // never depends on the rows it is computed with.
 #pragma once
@@ -30,7 +30,7 @@ class Bf16TileMatrix {
  private:
   Bf16Tiles t_;
   WeightMemory mem_;
-  Bf16TilesGemm gemm_ = nullptr;
+  const KernelTable* tiles_ = nullptr;  // bf16_tiles() when built
 };
 
 }  // namespace churon
