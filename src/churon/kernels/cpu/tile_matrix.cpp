@@ -30,8 +30,9 @@ Bf16TileMatrix::Bf16TileMatrix(const float* w, int64_t raw_bytes, bool raw_conti
   tiles_ = bf16_tiles();
   if (!tiles_)
     throw std::invalid_argument("Bf16TileMatrix: no AMX-BF16 tiles here (CPU, Linux, compiler, or the ISA chosen)");
-  if (rows <= 0 || cols <= 0 || rows > (int64_t(1) << 31) || cols > (int64_t(1) << 31))
-    throw std::invalid_argument("Bf16TileMatrix: rows and cols must be in 1 .. 2^31");
+  if (rows <= 0 || cols <= 0 || rows > (int64_t(1) << 31) || cols > (int64_t(1) << 31) ||
+      rows * cols > (int64_t(1) << 40))
+    throw std::invalid_argument("Bf16TileMatrix: rows and cols must be in 1 .. 2^31, rows * cols at most 2^40");
   if (!raw_contiguous) throw std::invalid_argument("Bf16TileMatrix: the weights must be C-contiguous");
   if (raw_bytes != rows * cols * 4)
     throw std::invalid_argument("Bf16TileMatrix: " + std::to_string(raw_bytes) + " bytes for a " + std::to_string(rows) +
