@@ -45,7 +45,7 @@ if IS_X86:
                            "-mavx2", "-mfma", "-mf16c"] + QUIET
     # AVX-512 plus the AMX-INT8 tiles (its quantized matmuls) and the AMX-BF16 ones (an encoder's bfloat16
     # matmuls); everything else is the avx512 copy's code
-    ISA_FLAGS["amx"] = ISA_FLAGS["avx512"] + ["-mamx-tile", "-mamx-int8", "-mamx-bf16"]
+    ISA_FLAGS["amx"] = ISA_FLAGS["avx512"] + ["-mamx-tile", "-mamx-int8", "-mamx-bf16", "-mavx512bf16"]
 # a compiler too old for these flags builds the others without them
 OPTIONAL_ISAS = {"amx"}
 

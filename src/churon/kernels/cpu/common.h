@@ -247,9 +247,9 @@ struct KernelTable {
   // LoRA tasks [t0, t1): shrink writes h, expand adds to y (see LoraArgs)
   void (*lora_shrink)(const LoraArgs& a, const LoraTask* tasks, int64_t t0, int64_t t1);
   void (*lora_expand)(const LoraArgs& a, const LoraTask* tasks, int64_t t0, int64_t t1);
-  // y[m, rows] = x W^T + bias16 for the row groups [g0, g1) on AMX-BF16 tiles (Bf16Tiles); x: bfloat16
-  // rows of w.kp in whole tiles of 16 rows, bias16: w.ngroups * 16 floats. Null where the ISA has none.
-  void (*gemm_bf16_tiles)(const Bf16Tiles& w, const uint16_t* x, int64_t m, float* y, const float* bias16,
+  // y[m, rows] = bf16(x) bf16(W)^T + bias16 for the row groups [g0, g1) on AMX-BF16 tiles (Bf16Tiles); x:
+  // float32 rows of w.cols, bias16: w.ngroups * 16 floats. Null where the ISA has none.
+  void (*gemm_bf16_tiles)(const Bf16Tiles& w, const float* x, int64_t m, float* y, const float* bias16,
                           int64_t g0, int64_t g1);
   // attn_packed's tasks on AMX-BF16 tiles, head_dim 32 or 64; scratch: packed_bf16_scratch_floats floats of the
   // thread. Null where the ISA has none.

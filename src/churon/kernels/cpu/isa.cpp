@@ -111,7 +111,8 @@ const KernelTable* bf16_tiles() {
 #if defined(CHURON_HAVE_AMX)
   if (!g_kt || !g_kt->gemm_bf16_tiles || std::string(g_kt->name) != "amx") return nullptr;
   unsigned a, b, c, d;
-  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !((d >> 22) & 1)) return nullptr;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !((d >> 22) & 1)) return nullptr;  // AMX-BF16
+  if (!__get_cpuid_count(7, 1, &a, &b, &c, &d) || !((a >> 5) & 1)) return nullptr;   // AVX512-BF16
   if (syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) != 0) return nullptr;
   return g_kt;
 #else

@@ -25,7 +25,8 @@ const KernelTable* kt();
 bool prefetch_weights_ahead();
 
 // The kernels of the AMX-BF16 tiles (KernelTable::gemm_bf16_tiles, attn_packed_bf16_tiles): the amx table when
-// it is the ISA chosen now, the CPU has the bfloat16 tiles (CPUID 7.0 EDX bit 22) and Linux lets this process
+// it is the ISA chosen now, the CPU has the bfloat16 tiles and AVX512-BF16 (CPUID 7.0 EDX bit 22, 7.1 EAX bit 5)
+// and Linux lets this process
 // use tiles (asked here, for the whole process); null otherwise. Their results are those of no other kernel, so
 // who uses them keeps using them (tile_matrix.h).
 const KernelTable* bf16_tiles();

@@ -28,8 +28,8 @@
 // the amx copy: AVX-512 and the AMX-INT8 tiles (clang 14 spells the macros without the underscore)
 #if (defined(__AMX_INT8__) || defined(__AMXINT8__)) && (defined(__AMX_TILE__) || defined(__AMXTILE__))
 #define K_AMX 1
-// and its bfloat16 tiles, where the compiler knows them
-#if defined(__AMX_BF16__) || defined(__AMXBF16__)
+// and its bfloat16 tiles (with AVX512-BF16's conversions), where the compiler knows them
+#if (defined(__AMX_BF16__) || defined(__AMXBF16__)) && defined(__AVX512BF16__)
 #define K_AMX_BF16 1
 #endif
 #endif

@@ -1,5 +1,5 @@
-// Bf16TileMatrix (see tile_matrix.h): packing at construction, and the matmul's driver: x rounded to
-// bfloat16 rows of whole tiles, the bias spread per group, the row groups split across threads.
+// Bf16TileMatrix (see tile_matrix.h): packing at construction, and the matmul's driver: the bias spread per
+// group, the rows or the row groups split across threads.
 
 #include "tile_matrix.h"
 
@@ -13,7 +13,7 @@
 namespace churon {
 namespace {
 
-// float32 -> bfloat16, round to nearest even (NaN stays a quiet NaN): the activations' rounding too
+// float32 -> bfloat16 for the weights, round to nearest even (NaN stays a quiet NaN)
 uint16_t to_bf16(float f) {
   uint32_t u;
   std::memcpy(&u, &f, 4);
@@ -21,8 +21,8 @@ uint16_t to_bf16(float f) {
   return uint16_t((u + 0x7fffu + ((u >> 16) & 1)) >> 16);
 }
 
-// scratch for the bfloat16 activations and the spread bias (calls are serialized by the GIL)
-Buffer g_x_buf, g_bias_buf;
+// scratch for the spread bias (calls are serialized by the GIL)
+Buffer g_bias_buf;
 
 }  // namespace
 
@@ -69,36 +69,24 @@ void Bf16TileMatrix::matmul(uintptr_t xp, uintptr_t yp, int64_t m, uintptr_t bia
   const float* x = ptr<const float>(xp, "matmul: x");
   float* y = ptr<float>(yp, "matmul: y");
   const float* bias = reinterpret_cast<const float*>(biasp);  // may be null
-  const int64_t cols = t_.cols, kp = t_.kp, mp = (m + 15) / 16 * 16;
   g_bias_buf.reserve(size_t(t_.ngroups * 16) * 4);
   float* bias16 = reinterpret_cast<float*>(g_bias_buf.p);
   std::memset(bias16, 0, size_t(t_.ngroups * 16) * 4);
   if (bias) std::memcpy(bias16, bias, size_t(t_.rows) * 4);
-  // x as bfloat16 rows of kp in whole tiles of rows, the pads zero
-  g_x_buf.reserve(size_t(mp * kp) * 2);
-  uint16_t* xb = reinterpret_cast<uint16_t*>(g_x_buf.p);
-  const KernelTable* k = kt();
-  auto convert = [&](int64_t r0, int64_t r1) {  // rows [r0, r1) of the padded x
-    for (int64_t r = r0; r < r1; ++r) {
-      if (r < m) k->to_half(x + r * cols, xb + r * kp, cols, true);
-      std::memset(xb + r * kp + (r < m ? cols : 0), 0, size_t(r < m ? kp - cols : kp) * 2);
-    }
-  };
   const Bf16Tiles& t = t_;
   const auto gemm = tiles_->gemm_bf16_tiles;
-  const int64_t blocks = (m + 31) / 32;  // the kernel's 32 rows at a time
+  const int64_t blocks = (m + 31) / 32;  // the kernel takes 32 rows at a time
   if (blocks >= 2 * get_num_threads()) {
-    // Many rows: each thread converts blocks of rows and multiplies them by every group, so its rows stay
-    // in its own L2 beside the weights (by groups, every thread read all of x, half of it from the other
-    // core's cache: no faster on 2 threads than on 1)
+    // Many rows: each thread takes blocks of rows and multiplies them by every group, so its rows stay in
+    // its own cache beside the weights (split by groups, every thread read all of x, half of it from the
+    // other core's cache: no faster on 2 threads than on 1)
     parallel_for(blocks, 1, [&](int64_t b0, int64_t b1, int) {
-      const int64_t r0 = 32 * b0, r1 = std::min<int64_t>(32 * b1, mp);
-      convert(r0, r1);
-      gemm(t, xb + r0 * kp, std::min<int64_t>(32 * b1, m) - r0, y + r0 * t.ldy, bias16, 0, t.ngroups);
+      const int64_t r0 = 32 * b0;
+      gemm(t, x + r0 * t.cols, std::min<int64_t>(32 * b1, m) - r0, y + r0 * t.ldy, bias16, 0, t.ngroups);
     });
-  } else {  // few rows: the groups split across threads
-    convert(0, mp);
-    parallel_for(t_.ngroups, kMatmulGrain, [&](int64_t g0, int64_t g1, int) { gemm(t, xb, m, y, bias16, g0, g1); });
+  } else {  // few rows: the groups split across threads, one range each (each range converts the rows once)
+    const int64_t per = (t_.ngroups + get_num_threads() - 1) / get_num_threads();
+    parallel_for(t_.ngroups, per, [&](int64_t g0, int64_t g1, int) { gemm(t, x, m, y, bias16, g0, g1); });
   }
 }
 
