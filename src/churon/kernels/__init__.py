@@ -22,6 +22,10 @@ The raw API (all tensors float32 and C-contiguous unless said; pointers are ints
         .dequantize(out_ptr) / .dequantize_bf16(out_ptr)             # [rows, cols] float32 / bfloat16
         .dequantize_rows(ids_ptr, n, out_ptr)                        # embedding lookup, ids int64 [n]
         .rows .cols .qtype .layout .nbytes
+    bf16_tiles_available() -> bool                                   # ISA amx, AMX-BF16 tiles, Linux's permission
+    Bf16TileMatrix(raw: float32 array, rows, cols)                   # a float weight in bfloat16 for the tiles
+        .matmul(x_ptr, y_ptr, m, bias_ptr=0)                         # y = bf16(x) @ bf16(W).T (+ bias), float32 sums
+        .rows .cols .layout .nbytes
     rms_norm(x_ptr, weight_ptr, out_ptr, m, n, eps)
     add_rms_norm(residual_ptr, x_ptr, weight_ptr, out_ptr, m, n, eps, x_norm_ptr=0)   # residual += x (or
                                                                      # rms_norm(x, x_norm)); out = rms_norm(residual)
@@ -43,9 +47,10 @@ The raw API (all tensors float32 and C-contiguous unless said; pointers are ints
                      k_scale_ptr=0, v_scale_ptr=0, window=0, softcap=0.0,  # sliding window, soft-capping,
                      sinks_ptr=0)                                    # sinks float32 [num_heads]
     attention_packed(qkv_ptr, seq_starts_ptr, out_ptr, tokens, n_seqs, heads, head_dim, scale,
-                     row_stride=0)                                   # encoder attention over packed sequences:
+                     row_stride=0, bf16_tiles=False)                 # encoder attention over packed sequences:
                                                                      # q, k, v = qkv columns [0,H) [H,2H) [2H,3H);
-                                                                     # seq_starts int64 [n_seqs + 1]; out [tokens, H]
+                                                                     # seq_starts int64 [n_seqs + 1]; out [tokens, H];
+                                                                     # bf16_tiles: on the AMX-BF16 tiles (hd 32, 64)
     lora_add(y_ptr, y_stride, x_ptr, x_stride, tokens, in_features, out_features, slots_ptr,
              scales_ptr, table_ptr, n_slots)                         # y[t] += B_s (scales[t] A_s x[t]), slots
                                                                      # int32 (-1: none); table: ops.LoraStack
@@ -58,7 +63,9 @@ Numerics: weights are repacked at construction (16 rows interleaved, see cpu/com
 activations are quantized on the fly to 8 bits per 32 values (ground_truth.quantize_activations,
 bitwise) and multiplied with integer dot products (AVX-512 VNNI, AVX2 maddubs, or scalar; 'amx'
 is the avx512 kernels with the AMX-INT8 tiles taking a matmul's rows 16 at a time, bitwise equal to
-VNNI's: an integer block sum is exact either way and the float steps are the same).
+VNNI's: an integer block sum is exact either way and the float steps are the same). Bf16TileMatrix and
+attention_packed(bf16_tiles=True), an embedding model's kernels on AMX CPUs, round their inputs to bfloat16
+and run on the AMX-BF16 tiles for every row count.
 Every output row is computed by the same operations whatever the thread count, the rows it is
 batched with (M) or the thread that runs it: results are batch-invariant and reproducible.
 

@@ -15,6 +15,7 @@ from gguf import GGMLQuantizationType
 
 from churon import kernels
 from churon.kernels import ops
+from churon.kernels.heap import keep_freed_memory
 from churon.formats.gguf import GGUFTensor
 from churon.formats.quants import mxfp4_as_q8_0
 from churon.config import ModelConfig
@@ -56,6 +57,7 @@ class NativeBackend:
         if kernels.cpu is None:
             raise RuntimeError(kernels.reason)
         self.cpu = kernels.cpu
+        keep_freed_memory()  # op-by-op forwards free and allocate megabytes an op (kernels/heap.py)
 
     def matrix(self, w: RawWeight):
         if isinstance(w, RowStack):  # each part on its stored bytes, run as one matrix
