@@ -48,7 +48,9 @@ class EmbeddingEngine:
         """Raise ValueError (ContextLengthError when too long) for an input that cannot be embedded."""
         if len(ids) == 0:
             raise ValueError("an input is empty: give at least one token")
-        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        bad = None
+        if min(ids) < 0 or max(ids) >= self.vocab_size:  # one pass each in C; the culprit looked for only then
+            bad = next(t for t in ids if not 0 <= t < self.vocab_size)
         if bad is not None:
             raise ValueError(f"input token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})")
         if len(ids) > self.max_length:
@@ -59,10 +61,13 @@ class EmbeddingEngine:
 
     def prepare(self, ids: Sequence[int], truncate: bool = False) -> list[int]:
         """ids as the engine runs them: checked, cut to max_length first when truncate."""
-        if any(isinstance(t, bool) or not isinstance(t, numbers.Integral) for t in ids):
-            bad = next(t for t in ids if isinstance(t, bool) or not isinstance(t, numbers.Integral))
-            raise ValueError(f"input token id {bad!r:.40} is not an integer")
-        ids = [int(t) for t in ids]
+        if all(type(t) is int for t in ids):  # the common case, without numbers.Integral's ABC check per token
+            ids = list(ids)
+        else:
+            if any(isinstance(t, bool) or not isinstance(t, numbers.Integral) for t in ids):
+                bad = next(t for t in ids if isinstance(t, bool) or not isinstance(t, numbers.Integral))
+                raise ValueError(f"input token id {bad!r:.40} is not an integer")
+            ids = [int(t) for t in ids]
         if truncate:
             ids = ids[: self.max_length]
         self.check_input(ids)
