@@ -248,9 +248,10 @@ struct KernelTable {
   void (*lora_shrink)(const LoraArgs& a, const LoraTask* tasks, int64_t t0, int64_t t1);
   void (*lora_expand)(const LoraArgs& a, const LoraTask* tasks, int64_t t0, int64_t t1);
   // y[m, rows] = bf16(x) bf16(W)^T + bias16 for the row groups [g0, g1) on AMX-BF16 tiles (Bf16Tiles); x:
-  // float32 rows of w.cols, bias16: w.ngroups * 16 floats. Null where the ISA has none.
+  // float32 rows of w.cols, bias16: w.ngroups * 16 floats, xb: 32 * w.kp bfloat16 private to the calling
+  // thread (x's rows converted there). Null where the ISA has none.
   void (*gemm_bf16_tiles)(const Bf16Tiles& w, const float* x, int64_t m, float* y, const float* bias16,
-                          int64_t g0, int64_t g1);
+                          int64_t g0, int64_t g1, uint16_t* xb);
   // attn_packed's tasks on AMX-BF16 tiles, head_dim 32 or 64; scratch: packed_bf16_scratch_floats floats of the
   // thread. Null where the ISA has none.
   void (*attn_packed_bf16_tiles)(const PackedAttnArgs& a, int64_t t0, int64_t t1, float* scratch);

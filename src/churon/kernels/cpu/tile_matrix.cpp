@@ -21,8 +21,8 @@ uint16_t to_bf16(float f) {
   return uint16_t((u + 0x7fffu + ((u >> 16) & 1)) >> 16);
 }
 
-// scratch for the spread bias (calls are serialized by the GIL)
-Buffer g_bias_buf;
+// scratch for the spread bias and the threads' converted rows (calls are serialized by the GIL)
+Buffer g_bias_buf, g_rows_buf;
 
 }  // namespace
 
@@ -73,6 +73,9 @@ void Bf16TileMatrix::matmul(uintptr_t xp, uintptr_t yp, int64_t m, uintptr_t bia
   float* bias16 = reinterpret_cast<float*>(g_bias_buf.p);
   std::memset(bias16, 0, size_t(t_.ngroups * 16) * 4);
   if (bias) std::memcpy(bias16, bias, size_t(t_.rows) * 4);
+  const int64_t per_thread = 32 * t_.kp;  // bfloat16 of a thread's 32 converted rows
+  g_rows_buf.reserve(size_t(per_thread * get_num_threads()) * 2);
+  uint16_t* rows = reinterpret_cast<uint16_t*>(g_rows_buf.p);
   const Bf16Tiles& t = t_;
   const auto gemm = tiles_->gemm_bf16_tiles;
   const int64_t blocks = (m + 31) / 32;  // the kernel takes 32 rows at a time
@@ -80,13 +83,15 @@ void Bf16TileMatrix::matmul(uintptr_t xp, uintptr_t yp, int64_t m, uintptr_t bia
     // Many rows: each thread takes blocks of rows and multiplies them by every group, so its rows stay in
     // its own cache beside the weights (split by groups, every thread read all of x, half of it from the
     // other core's cache: no faster on 2 threads than on 1)
-    parallel_for(blocks, 1, [&](int64_t b0, int64_t b1, int) {
+    parallel_for(blocks, 1, [&](int64_t b0, int64_t b1, int tid) {
       const int64_t r0 = 32 * b0;
-      gemm(t, x + r0 * t.cols, std::min<int64_t>(32 * b1, m) - r0, y + r0 * t.ldy, bias16, 0, t.ngroups);
+      gemm(t, x + r0 * t.cols, std::min<int64_t>(32 * b1, m) - r0, y + r0 * t.ldy, bias16, 0, t.ngroups,
+           rows + tid * per_thread);
     });
   } else {  // few rows: the groups split across threads, one range each (each range converts the rows once)
     const int64_t per = (t_.ngroups + get_num_threads() - 1) / get_num_threads();
-    parallel_for(t_.ngroups, per, [&](int64_t g0, int64_t g1, int) { gemm(t, x, m, y, bias16, g0, g1); });
+    parallel_for(t_.ngroups, per,
+                 [&](int64_t g0, int64_t g1, int tid) { gemm(t, x, m, y, bias16, g0, g1, rows + tid * per_thread); });
   }
 }
 
