@@ -93,8 +93,8 @@ class Encoder:
         self.embed_norm = Norm.build(weights, "embeddings.LayerNorm.", b)
         self.layers = [EncoderLayerWeights.build(i, weights, b) for i in range(config.num_layers)]
         self.scale = config.head_dim**-0.5
-        # attention beside matmuls on the AMX-BF16 tiles on them too (the float kernel's 8 FMAs a score and row
-        # were 20% of an all-MiniLM-L6-v2 forward once its matmuls ran there)
+        # with its matmuls on the AMX-BF16 tiles, attention runs there too: in float32, its 8 FMAs a score and row
+        # were 20% of an all-MiniLM-L6-v2 forward once the matmuls ran on the tiles
         query = weights["encoder.layer.0.attention.self.query.weight"]
         self.bf16_tiles = b.bf16_tiles and is_float(query) and config.head_dim in (32, 64)
         self.gelu_approximate = GELU_APPROXIMATION[config.hidden_act]
