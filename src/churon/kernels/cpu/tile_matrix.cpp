@@ -13,14 +13,6 @@
 namespace churon {
 namespace {
 
-// float32 -> bfloat16 for the weights, round to nearest even (NaN stays a quiet NaN)
-uint16_t to_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);
-  return uint16_t((u + 0x7fffu + ((u >> 16) & 1)) >> 16);
-}
-
 // scratch for the spread bias and the threads' converted rows (calls are serialized by the GIL)
 Buffer g_bias_buf, g_rows_buf;
 
@@ -53,7 +45,7 @@ Bf16TileMatrix::Bf16TileMatrix(const float* w, int64_t raw_bytes, bool raw_conti
     const int64_t g = r / 16, n = r % 16;
     for (int64_t c = 0; c < cols; ++c) {
       const int64_t s = c / 32, k = (c % 32) / 2, t = c % 2;
-      out[512 * (g * steps + s) + 32 * k + 2 * n + t] = to_bf16(w[r * cols + c]);
+      out[512 * (g * steps + s) + 32 * k + 2 * n + t] = fp32_to_bf16(w[r * cols + c]);
     }
   }
   t_.data = out;
