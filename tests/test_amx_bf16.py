@@ -170,3 +170,94 @@ def test_packed_attention_on_tiles_takes_head_dims_32_and_64():
             ops.attention_packed(qkv, 2, 32, starts, 0.25, bf16_tiles=True)
     finally:
         cpu.set_isa(before)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# gelu_mlp: down(gelu(up(x))) in one kernel, the activation rounded to bfloat16 for the down projection
+
+def gelu_mlp(up, down, x: torch.Tensor, up_bias, down_bias, approximate: str = "none") -> torch.Tensor:
+    y = torch.full((x.shape[0], down.rows), float("nan"))
+    up.gelu_mlp(down, x.data_ptr(), y.data_ptr(), x.shape[0], up_bias.data_ptr() if up_bias is not None else 0,
+                down_bias.data_ptr() if down_bias is not None else 0, approximate)
+    return y
+
+
+def bf16_ulp(v: torch.Tensor) -> torch.Tensor:
+    """the spacing of bfloat16 values at |v| (8 significant bits)"""
+    return torch.ldexp(torch.ones_like(v), torch.frexp(v.abs().clamp_min(1e-30))[1] - 8)
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_gelu_mlp_gelu_is_within_5e_7_before_its_rounding(approximate):
+    # up and down the identity, no biases: y = bfloat16(gelu(bfloat16(x))) exactly as the kernel rounds its GELU, so
+    # y is the bfloat16 value nearest the exact GELU unless that lies within 5e-7 of a midpoint
+    n = 64
+    eye = cpu.Bf16TileMatrix(torch.eye(n).numpy(), n, n)
+    x = torch.cat([torch.linspace(-9, 9, 64 * 900), torch.tensor([0.0, -0.0, 5.0, -5.0, 4.99, 100.0, -100.0] + [0.5] * 57)])
+    x = x.reshape(-1, n).bfloat16().float()
+    y = gelu_mlp(eye, eye, x, None, None, approximate).double()
+    exact = torch.nn.functional.gelu(x.double(), approximate=approximate)
+    assert bool(((y - exact).abs() <= 0.5 * bf16_ulp(exact) + 5e-7).all())
+    assert torch.equal(y, y.bfloat16().double())  # the activation went to the down projection in bfloat16
+
+
+def mlp_reference(w1, b1, w2, b2, x, approximate):
+    """the float64 block of the bfloat16-rounded x and weights, the exact GELU unrounded, and each output's bound:
+    float32 sums of the up projection (moved at most 1.13x by GELU) within 5e-7 of GELU, its bfloat16 rounding
+    (2^-8 relative), float32 sums of the down projection"""
+    x, w1, w2 = x.bfloat16().double(), w1.bfloat16().double(), w2.bfloat16().double()
+    pre = x @ w1.T + b1.double()
+    pre_err = x.shape[1] * 2**-23 * (x.abs() @ w1.abs().T + b1.double().abs())
+    h = torch.nn.functional.gelu(pre, approximate=approximate)
+    h_err = 2**-8 * h.abs() + 1.13 * pre_err + 5e-7
+    y = h @ w2.T + b2.double()
+    return y, h_err @ w2.abs().T + h.shape[1] * 2**-23 * (h.abs() @ w2.abs().T + b2.double().abs())
+
+
+# hidden x intermediate: all-MiniLM-L6-v2's; an odd number of up groups, intermediate not a multiple of 32; one
+# partial group each way
+MLP_SHAPES = [(384, 1536), (37, 100), (5, 20)]
+
+
+@pytest.mark.parametrize("hidden,inter", MLP_SHAPES)
+@pytest.mark.parametrize("m", [1, 17, 33, 100, 300])
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_gelu_mlp_matches_the_float64_block(threads, hidden, inter, m, approximate):
+    threads(2)
+    g = torch.Generator().manual_seed(hidden * 1000 + inter + m)
+    w1, b1 = torch.randn(inter, hidden, generator=g) * hidden**-0.5, torch.randn(inter, generator=g)
+    w2, b2 = torch.randn(hidden, inter, generator=g) * inter**-0.5, torch.randn(hidden, generator=g)
+    x = torch.randn(m, hidden, generator=g)
+    up, down = cpu.Bf16TileMatrix(w1.numpy(), inter, hidden), cpu.Bf16TileMatrix(w2.numpy(), hidden, inter)
+    want, bound = mlp_reference(w1, b1, w2, b2, x, approximate)
+    y = gelu_mlp(up, down, x, b1, b2, approximate).double()
+    assert bool(((y - want).abs() <= bound).all())
+    # the bound is no wider than it must be: bfloat16 activations move values by about 1e-3 here
+    assert 1e-4 < float((y - want).abs().max()) < 0.5 * float(bound.max())
+
+
+@pytest.mark.parametrize("n_threads", [1, 2])
+def test_gelu_mlp_rows_are_the_same_alone_and_in_any_batch(threads, n_threads):
+    threads(n_threads)
+    hidden, inter = 64, 16 * 9 + 3
+    g = torch.Generator().manual_seed(7)
+    w1, b1 = torch.randn(inter, hidden, generator=g) * 0.1, torch.randn(inter, generator=g)
+    w2, b2 = torch.randn(hidden, inter, generator=g) * 0.1, torch.randn(hidden, generator=g)
+    x = torch.randn(300, hidden, generator=g)
+    up, down = cpu.Bf16TileMatrix(w1.numpy(), inter, hidden), cpu.Bf16TileMatrix(w2.numpy(), hidden, inter)
+    batch = gelu_mlp(up, down, x, b1, b2)
+    for i in (0, 16, 31, 32, 150, 299):
+        assert torch.equal(gelu_mlp(up, down, x[i : i + 1].contiguous(), b1, b2), batch[i : i + 1])
+    assert torch.equal(gelu_mlp(up, down, x[40:60].contiguous(), b1, b2), batch[40:60])
+
+
+def test_gelu_mlp_refuses_what_does_not_fit():
+    up = cpu.Bf16TileMatrix(torch.randn(40, 8).numpy(), 40, 8)
+    down = cpu.Bf16TileMatrix(torch.randn(8, 40).numpy(), 8, 40)
+    with pytest.raises(ValueError, match="the down projection takes 8 columns, the up projection gives 40"):
+        up.gelu_mlp(up, 0, 0, 1)
+    with pytest.raises(ValueError, match="approximate must be 'none' or 'tanh', got 'sigmoid'"):
+        up.gelu_mlp(down, 0, 0, 1, 0, 0, "sigmoid")
+    with pytest.raises(ValueError, match="m must be >= 0"):
+        up.gelu_mlp(down, 0, 0, -1)
+    up.gelu_mlp(down, 0, 0, 0)  # no rows: nothing read or written

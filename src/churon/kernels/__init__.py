@@ -25,6 +25,8 @@ The raw API (all tensors float32 and C-contiguous unless said; pointers are ints
     bf16_tiles_available() -> bool                                   # ISA amx, AMX-BF16 tiles, Linux's permission
     Bf16TileMatrix(raw: float32 array, rows, cols)                   # a float weight in bfloat16 for the tiles
         .matmul(x_ptr, y_ptr, m, bias_ptr=0)                         # y = bf16(x) @ bf16(W).T (+ bias), float32 sums
+        .gelu_mlp(down, x_ptr, y_ptr, m, up_bias_ptr=0, down_bias_ptr=0, approximate="none")
+                                                                     # y = down(gelu(x W^T + b)) + b', one pass
         .rows .cols .layout .nbytes
     rms_norm(x_ptr, weight_ptr, out_ptr, m, n, eps)
     add_rms_norm(residual_ptr, x_ptr, weight_ptr, out_ptr, m, n, eps, x_norm_ptr=0)   # residual += x (or

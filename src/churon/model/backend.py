@@ -112,6 +112,12 @@ class Backend(Protocol):
         """torch.nn.functional.gelu: "none" the exact (erf) GELU, "tanh" its tanh approximation."""
         ...
 
+    def gelu_mlp(self, x: torch.Tensor, up: Any, up_bias: torch.Tensor, down: Any, down_bias: torch.Tensor,
+                 approximate: str = "none") -> torch.Tensor:
+        """linear(gelu(linear(x, up, up_bias), approximate), down, down_bias): an encoder layer's feed-forward
+        block, up and down as encoder_matrix made them."""
+        ...
+
     def attention_packed(self, qkv: torch.Tensor, heads: int, head_dim: int, seq_starts: torch.Tensor,
                          scale: float, bf16_tiles: bool = False) -> torch.Tensor:
         """Bidirectional (encoder) attention over sequences packed back to back without padding.

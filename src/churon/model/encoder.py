@@ -11,7 +11,8 @@ sentence, so its token types are all 0 (what sentence-transformers passes).
 
 On the native kernels the four matmuls of a layer run as Backend.encoder_matrix makes them: float weights (a
 Hugging Face directory, an F32/F16/BF16 GGUF) on the AMX-BF16 tiles where the CPU has them, else as Q8_0 blocks
-quantized at load; quantized GGUF weights as stored. all-MiniLM-L6-v2's vectors keep a cosine >= 0.9995 with
+quantized at load; quantized GGUF weights as stored. On the tiles the feed-forward block is one kernel
+(Backend.gelu_mlp). all-MiniLM-L6-v2's vectors keep a cosine >= 0.9995 with
 sentence-transformers' either way (tests/test_embeddings_real.py); the reference backend keeps every weight exact.
 """
 
@@ -122,6 +123,6 @@ class Encoder:
             qkv = b.linear(layer.qkv, x, layer.qkv_bias)
             attn = b.attention_packed(qkv, c.num_heads, c.head_dim, batch.seq_starts, self.scale, self.bf16_tiles)
             x = b.add_layer_norm(x, b.linear(layer.o, attn, layer.o_bias), layer.attn_norm.weight, layer.attn_norm.bias, eps)
-            up = b.gelu(b.linear(layer.up, x, layer.up_bias), self.gelu_approximate)
-            x = b.add_layer_norm(x, b.linear(layer.down, up, layer.down_bias), layer.out_norm.weight, layer.out_norm.bias, eps)
+            mlp = b.gelu_mlp(x, layer.up, layer.up_bias, layer.down, layer.down_bias, self.gelu_approximate)
+            x = b.add_layer_norm(x, mlp, layer.out_norm.weight, layer.out_norm.bias, eps)
         return x.float()

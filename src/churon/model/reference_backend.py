@@ -65,6 +65,10 @@ class ReferenceBackend:
     def gelu(self, x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
         return F.gelu(x, approximate=approximate)
 
+    def gelu_mlp(self, x: torch.Tensor, up: torch.Tensor, up_bias: torch.Tensor, down: torch.Tensor,
+                 down_bias: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+        return F.linear(F.gelu(F.linear(x, up, up_bias), approximate=approximate), down, down_bias)
+
     def attention_packed(self, qkv: torch.Tensor, heads: int, head_dim: int, seq_starts: torch.Tensor,
                          scale: float, bf16_tiles: bool = False) -> torch.Tensor:
         """Bidirectional attention of every token over its own sequence's tokens; q, k, v are the column

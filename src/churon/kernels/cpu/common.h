@@ -78,6 +78,10 @@ struct QWeights {
 
 // A matrix in bfloat16 for the AMX-BF16 tiles (matmul_amx_bf16.inc has the layout): rows in groups of 16,
 // cols padded with zeros to kp, a multiple of 32
+// rows gelu_mlp_bf16_tiles takes at a time: their activation (kMlpRows * down.kp bfloat16) stays in L2 while each
+// of its weight matrices is read once from L3 for all of them
+constexpr int64_t kMlpRows = 128;
+
 struct Bf16Tiles {
   int64_t rows = 0, cols = 0, kp = 0, ngroups = 0;
   int64_t ldy = 0;  // the output's row stride
@@ -252,6 +256,11 @@ struct KernelTable {
   // thread (x's rows converted there). Null where the ISA has none.
   void (*gemm_bf16_tiles)(const Bf16Tiles& w, const float* x, int64_t m, float* y, const float* bias16,
                           int64_t g0, int64_t g1, uint16_t* xb);
+  // rows [0, m) of y = bf16(gelu(bf16(x) bf16(Up)^T + up_bias16)) bf16(Down)^T + down_bias16 on AMX-BF16 tiles,
+  // gelu within 5e-7 (erf, or its tanh approximation); up.rows == down.cols, y's row stride down.ldy; xb: 32 *
+  // up.kp and hb: kMlpRows * down.kp bfloat16 private to the calling thread. Null where the ISA has none.
+  void (*gelu_mlp_bf16_tiles)(const Bf16Tiles& up, const Bf16Tiles& down, const float* x, int64_t m, float* y,
+                              const float* up_bias16, const float* down_bias16, bool tanh, uint16_t* xb, uint16_t* hb);
   // attn_packed's tasks on AMX-BF16 tiles, head_dim 32 or 64; scratch: packed_bf16_scratch_floats floats of the
   // thread. Null where the ISA has none.
   void (*attn_packed_bf16_tiles)(const PackedAttnArgs& a, int64_t t0, int64_t t1, float* scratch);

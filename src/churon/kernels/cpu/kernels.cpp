@@ -1080,9 +1080,9 @@ const KernelTable* table() {
       rms_norm, add_rms_norm, rope, layer_norm, gelu, swiglu, geglu, softmax, attn_partial, attn_combine, attn_packed,
       read_bytes, to_half, lora_shrink, lora_expand,
 #if defined(K_AMX_BF16)
-      gemm_bf16_tiles, attn_packed_bf16_tiles,
+      gemm_bf16_tiles, gelu_mlp_bf16_tiles, attn_packed_bf16_tiles,
 #else
-      nullptr, nullptr,
+      nullptr, nullptr, nullptr,
 #endif
   };
   return &t;

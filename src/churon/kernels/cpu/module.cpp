@@ -177,7 +177,13 @@ PYBIND11_MODULE(_cpu, m) {
       .def_property_readonly("nbytes", &Bf16TileMatrix::nbytes)
       .def("matmul", &Bf16TileMatrix::matmul, py::arg("x_ptr"), py::arg("y_ptr"), py::arg("m"), py::arg("bias_ptr") = 0,
            "y[m, rows] = bf16(x[m, cols]) @ bf16(W)^T (+ bias[rows]), the products summed in float32 on the"
-           " tiles; float32, C-contiguous. A row's result is the same whatever m.");
+           " tiles; float32, C-contiguous. A row's result is the same whatever m.")
+      .def("gelu_mlp", &Bf16TileMatrix::gelu_mlp, py::arg("down"), py::arg("x_ptr"), py::arg("y_ptr"), py::arg("m"),
+           py::arg("up_bias_ptr") = 0, py::arg("down_bias_ptr") = 0, py::arg("approximate") = "none",
+           "y[m, down.rows] = gelu(x @ W^T + up_bias) @ down^T + down_bias, W this matrix (the up projection): each"
+           " product as matmul's, gelu's output rounded to bfloat16 for the down projection (gelu within 5e-7;"
+           " approximate 'none' (erf) or 'tanh'); 32 rows at a time in one pass. A row's result is the same"
+           " whatever m.");
 
   py::class_<QMatrixStack>(m, "QMatrixStack")
       .def(py::init<const std::vector<const QMatrix*>&>(), py::arg("parts"), py::keep_alive<1, 2>(),

@@ -13,8 +13,14 @@
 namespace churon {
 namespace {
 
-// scratch for the spread bias and the threads' converted rows (calls are serialized by the GIL)
+// scratch for the spread biases and the threads' converted rows (calls are serialized by the GIL)
 Buffer g_bias_buf, g_rows_buf;
+
+// the kernels' bias: a [ngroups * 16] row, zeros past the matrix's rows (and everywhere without a bias)
+void spread_bias(const Bf16Tiles& t, const float* bias, float* out) {
+  std::memset(out, 0, size_t(t.ngroups * 16) * 4);
+  if (bias) std::memcpy(out, bias, size_t(t.rows) * 4);
+}
 
 }  // namespace
 
@@ -63,8 +69,7 @@ void Bf16TileMatrix::matmul(uintptr_t xp, uintptr_t yp, int64_t m, uintptr_t bia
   const float* bias = reinterpret_cast<const float*>(biasp);  // may be null
   g_bias_buf.reserve(size_t(t_.ngroups * 16) * 4);
   float* bias16 = reinterpret_cast<float*>(g_bias_buf.p);
-  std::memset(bias16, 0, size_t(t_.ngroups * 16) * 4);
-  if (bias) std::memcpy(bias16, bias, size_t(t_.rows) * 4);
+  spread_bias(t_, bias, bias16);
   const int64_t per_thread = 32 * t_.kp;  // bfloat16 of a thread's 32 converted rows
   g_rows_buf.reserve(size_t(per_thread * get_num_threads()) * 2);
   uint16_t* rows = reinterpret_cast<uint16_t*>(g_rows_buf.p);
@@ -85,6 +90,38 @@ void Bf16TileMatrix::matmul(uintptr_t xp, uintptr_t yp, int64_t m, uintptr_t bia
     parallel_for(t_.ngroups, per,
                  [&](int64_t g0, int64_t g1, int tid) { gemm(t, x, m, y, bias16, g0, g1, rows + tid * per_thread); });
   }
+}
+
+void Bf16TileMatrix::gelu_mlp(const Bf16TileMatrix& down, uintptr_t xp, uintptr_t yp, int64_t m, uintptr_t up_biasp,
+                              uintptr_t down_biasp, const std::string& approximate) const {
+  if (down.cols() != rows())
+    throw std::invalid_argument("gelu_mlp: the down projection takes " + std::to_string(down.cols()) +
+                                " columns, the up projection gives " + std::to_string(rows()));
+  if (approximate != "none" && approximate != "tanh")
+    throw std::invalid_argument("gelu_mlp: approximate must be 'none' or 'tanh', got '" + approximate + "'");
+  if (m < 0) throw std::invalid_argument("gelu_mlp: m must be >= 0");
+  if (m == 0) return;
+  const float* x = ptr<const float>(xp, "gelu_mlp: x");
+  float* y = ptr<float>(yp, "gelu_mlp: y");
+  const Bf16Tiles &up = t_, &dn = down.t_;
+  g_bias_buf.reserve(size_t(up.ngroups + dn.ngroups) * 16 * 4);
+  float* up_bias16 = reinterpret_cast<float*>(g_bias_buf.p);
+  float* down_bias16 = up_bias16 + up.ngroups * 16;
+  spread_bias(up, reinterpret_cast<const float*>(up_biasp), up_bias16);
+  spread_bias(dn, reinterpret_cast<const float*>(down_biasp), down_bias16);
+  const int64_t per_thread = 32 * up.kp + kMlpRows * dn.kp;  // bfloat16 of a thread's rows of x and activation
+  g_rows_buf.reserve(size_t(per_thread * get_num_threads()) * 2);
+  uint16_t* rows = reinterpret_cast<uint16_t*>(g_rows_buf.p);
+  const auto mlp = tiles_->gelu_mlp_bf16_tiles;
+  const bool tanh = approximate == "tanh";
+  // blocks of rows split across threads: a block's activation stays in its thread's cache from the up projection
+  // to the down one (32 rows or fewer run on one thread)
+  parallel_for((m + 31) / 32, kMlpRows / 32, [&](int64_t b0, int64_t b1, int tid) {
+    const int64_t r0 = 32 * b0;
+    uint16_t* xb = rows + tid * per_thread;
+    mlp(up, dn, x + r0 * up.cols, std::min<int64_t>(32 * b1, m) - r0, y + r0 * dn.ldy, up_bias16, down_bias16, tanh,
+        xb, xb + 32 * up.kp);
+  });
 }
 
 }  // namespace churon

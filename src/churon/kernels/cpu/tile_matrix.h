@@ -27,6 +27,11 @@ class Bf16TileMatrix {
   // y[m, rows] = bf16(x[m, cols]) @ bf16(W)^T (+ bias[rows]), summed in float32; float32, C-contiguous
   void matmul(uintptr_t xp, uintptr_t yp, int64_t m, uintptr_t biasp) const;
 
+  // y[m, down.rows] = bf16(gelu(x @ this^T + up_bias)) @ bf16(down)^T + down_bias, as matmul does each, the gelu
+  // within 5e-7 (approximate "none": erf, or "tanh"), in one pass over 32 rows at a time; biases may be 0
+  void gelu_mlp(const Bf16TileMatrix& down, uintptr_t xp, uintptr_t yp, int64_t m, uintptr_t up_biasp,
+                uintptr_t down_biasp, const std::string& approximate) const;
+
  private:
   Bf16Tiles t_;
   WeightMemory mem_;
