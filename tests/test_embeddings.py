@@ -143,6 +143,13 @@ def test_inputs_and_their_errors(reference_llm):
     assert torch.allclose(torch.tensor(llm.embed([ids, ids])), torch.tensor(one * 2), rtol=0, atol=1e-6)
     assert llm.embed([]) == []
     assert llm.embed("") == llm.embed([[llm.tokenizer.bos_id, llm.tokenizer.eos_id]])  # BERT embeds "" as [CLS] [SEP]
+    # texts (tokenized together) and token ids mixed: each input as its own call embeds it, in order
+    texts = ["Hello World", "", "a longer sentence, with punctuation!"]
+    mixed = llm.embed([texts[0], ids, texts[1], texts[2]])
+    assert llm.encode_batch_for_embedding(texts) == [llm.encode_for_embedding(t) for t in texts]
+    assert ids == llm.encode_for_embedding("Hello World")  # its tokenizer lowercases
+    alone = [llm.embed(x)[0] for x in (texts[0], ids, texts[1], texts[2])]
+    assert torch.allclose(torch.tensor(mixed), torch.tensor(alone), rtol=0, atol=1e-6)
     with pytest.raises(ValueError, match="token id 99999 is outside the vocabulary"):
         llm.embed([[2, 99999, 3]])
     with pytest.raises(ValueError, match="input is empty"):
@@ -282,3 +289,22 @@ def test_token_ids_must_be_integers(reference_llm):
     for bad in ([2, True, 3], [2, 4.0, 3], [2, "5", 3]):
         with pytest.raises(ValueError, match="is not an integer"):
             reference_llm.embed([bad])
+
+
+def test_texts_are_lowered_where_the_model_says_so(tmp_path):
+    # sentence_bert_config.json's do_lower_case: sentence-transformers lowers texts before its (here case-sensitive)
+    # tokenizer sees them; so does churon, one text or many
+    path = make_hf_model("llama", tmp_path / "llama")
+    (path / "modules.json").write_text('[{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.'
+                                       'Transformer"}, {"idx": 1, "name": "1", "path": "1_Pooling", "type": '
+                                       '"sentence_transformers.models.Pooling"}]')
+    (path / "1_Pooling").mkdir()
+    (path / "1_Pooling" / "config.json").write_text('{"word_embedding_dimension": 64, "pooling_mode_mean_tokens": true}')
+    (path / "sentence_bert_config.json").write_text('{"max_seq_length": 100, "do_lower_case": true}')
+    llm = LLM(path, task="embed", kernels="reference", threads=1)
+    texts = ["Hello World", "MiXeD CaSe words"]
+    lowered = [llm.tokenizer.encode(t.lower()) for t in texts]
+    assert lowered != [llm.tokenizer.encode(t) for t in texts]
+    assert [llm.encode_for_embedding(t) for t in texts] == lowered
+    assert llm.encode_batch_for_embedding(texts) == lowered
+    assert llm.embed(texts) == llm.embed(lowered)

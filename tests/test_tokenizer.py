@@ -222,6 +222,14 @@ def test_user_defined_tokens_always_parsed(trained_bpe):
     assert tok.decode([tool]) == "<tool_call>"  # user-defined tokens are text, never skipped
 
 
+def test_encode_batch_is_encode_of_each_text(bpe, spm):
+    texts = ["", "hi", "<|im_start|>user\nhi<|im_end|>", "  spaces  and\ttabs ", "unicode: naïve café 😀", "hi"]
+    for tok in (bpe, spm):
+        for kwargs in ({}, {"add_bos": True}, {"add_bos": False, "add_eos": True}, {"parse_special": False}):
+            assert tok.encode_batch(texts, **kwargs) == [tok.encode(t, **kwargs) for t in texts], kwargs
+    assert bpe.encode_batch([]) == []
+
+
 def test_bos_rules(trained_bpe, bpe):
     bos = bpe.bos_id
     assert bpe.encode("hi") == bpe.encode("hi", add_bos=False)

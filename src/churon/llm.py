@@ -164,8 +164,7 @@ class LLM:
         truncate: keep the first max_embed_len tokens, the final special token kept last (as sentence-transformers
         truncates); otherwise a longer text is a ContextLengthError when it is embedded."""
         limit = self._embedding().max_length
-        if self.config.extra.get("do_lower_case"):  # sentence_bert_config.json: sentence-transformers lowers texts
-            text = text.lower()
+        text = self._embedded_text(text)
         if not truncate:
             return self.tokenizer.encode(text)
         # Only the text's beginning is needed: cut it at the first space after as many characters as limit tokens
@@ -178,6 +177,14 @@ class LLM:
             ids = ids[: limit - 1] + ids[-1:] if self.tokenizer.add_eos else ids[:limit]
         return ids
 
+    def encode_batch_for_embedding(self, texts: Sequence[str]) -> list[list[int]]:
+        """[encode_for_embedding(text) for text in texts], tokenized in parallel."""
+        return self.tokenizer.encode_batch([self._embedded_text(text) for text in texts])
+
+    def _embedded_text(self, text: str) -> str:
+        # sentence_bert_config.json's do_lower_case: sentence-transformers lowers texts before tokenizing
+        return text.lower() if self.config.extra.get("do_lower_case") else text
+
     def embed(self, inputs: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]], *,
               truncate: bool = False) -> list[list[float]]:
         """One vector per input (the model's pooling, unit length when it normalizes), in order.
@@ -188,8 +195,10 @@ class LLM:
         embedder = self._embedding()
         if isinstance(inputs, str) or (len(inputs) and isinstance(inputs[0], int)):
             inputs = [inputs]
-        ids = [self.encode_for_embedding(x, truncate) if isinstance(x, str) else embedder.prepare(x, truncate)
-               for x in inputs]
+        texts = [x for x in inputs if isinstance(x, str)]
+        encoded = iter(self.encode_batch_for_embedding(texts) if not truncate else
+                       [self.encode_for_embedding(x, truncate=True) for x in texts])
+        ids = [next(encoded) if isinstance(x, str) else embedder.prepare(x, truncate) for x in inputs]
         return embedder.embed(ids).tolist()
 
     @property
