@@ -76,24 +76,17 @@ struct QWeights {
   const uint8_t* data = nullptr;
 };
 
-// A matrix in bfloat16 for the AMX-BF16 tiles (matmul_amx_bf16.inc has the layout): rows in groups of 16,
-// cols padded with zeros to kp, a multiple of 32
 // rows gelu_mlp_bf16_tiles takes at a time: their activation (kMlpRows * down.kp bfloat16) stays in L2 while each
 // of its weight matrices is read once from L3 for all of them
 constexpr int64_t kMlpRows = 128;
 
+// A matrix in bfloat16 for the AMX-BF16 tiles (matmul_amx_bf16.inc has the layout): rows in groups of 16,
+// cols padded with zeros to kp, a multiple of 32
 struct Bf16Tiles {
   int64_t rows = 0, cols = 0, kp = 0, ngroups = 0;
   int64_t ldy = 0;  // the output's row stride
   const uint16_t* data = nullptr;
 };
-
-// floats of the per-thread scratch of attn_packed_bf16_tiles (attention_amx_bf16.inc) for sequences of at most
-// max_len rows: k's and v's tiles, q's A tiles, the scores, the softmax weights, the output tile
-static inline int64_t packed_bf16_scratch_floats(int64_t max_len, int64_t head_dim) {
-  const int64_t l32 = (max_len + 31) / 32 * 32;
-  return l32 * head_dim + 8 * head_dim + 16 * l32 + 8 * l32 + 16 * head_dim + 256;
-}
 
 // Activations quantized to 8 bits, per 32 values: q = round_half_even(x / d) with
 // d = max|x| / 127 (computed as x * (1/d)), and the block sums used by the offset/min terms.
@@ -153,6 +146,17 @@ static inline int64_t attn_first(const AttnArgs& a, int64_t seq) {
 // sequence against all of that sequence's rows. A task is one head of one block of at most
 // kPackedQueryBlock query rows of one sequence; tasks are numbered block-major, then head.
 constexpr int64_t kPackedQueryBlock = 64;
+// on the AMX-BF16 tiles (attn_packed_bf16_tiles), whose task first packs its sequence's keys and values for the
+// tiles: blocks of up to 256 rows, so that a sequence as long as most embedding models take is packed once a head
+constexpr int64_t kPackedTileQueryBlock = 256;
+
+// floats of the per-thread scratch of attn_packed_bf16_tiles (attention_amx_bf16.inc) for sequences of at most
+// max_len rows: k's and v's tiles, q's A tiles, the scores, the softmax weights, the output tile
+static inline int64_t packed_bf16_scratch_floats(int64_t max_len, int64_t head_dim) {
+  const int64_t l32 = (max_len + 31) / 32 * 32;
+  const int64_t q_rows = l32 < kPackedTileQueryBlock ? l32 : kPackedTileQueryBlock;
+  return l32 * head_dim + q_rows / 2 * head_dim + 16 * l32 + 8 * l32 + 16 * head_dim + 256;
+}
 
 struct PackedAttnArgs {
   const float* qkv;           // [tokens, row_stride]: q, k, v of head h at columns h*hd, H + h*hd, 2H + h*hd

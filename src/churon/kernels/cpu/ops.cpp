@@ -326,12 +326,13 @@ void attention_packed(uintptr_t qkvp, uintptr_t startsp, uintptr_t outp, int64_t
   const int64_t* starts = ptr<const int64_t>(startsp, "attention_packed: seq_starts");
   if (starts[0] != 0 || starts[n_seqs] != tokens)
     throw std::invalid_argument("attention_packed: seq_starts must run from 0 to tokens = " + std::to_string(tokens));
+  const int64_t query_block = tiles ? kPackedTileQueryBlock : kPackedQueryBlock;
   int64_t n_blocks = 0, max_len = 0;
   for (int64_t s = 0; s < n_seqs; ++s) {
     const int64_t len = starts[s + 1] - starts[s];
     if (len < 0)
       throw std::invalid_argument("attention_packed: seq_starts decreases at index " + std::to_string(s + 1));
-    n_blocks += (len + kPackedQueryBlock - 1) / kPackedQueryBlock;
+    n_blocks += (len + query_block - 1) / query_block;
     max_len = std::max(max_len, len);
   }
   if (n_blocks == 0) return;
@@ -352,7 +353,7 @@ void attention_packed(uintptr_t qkvp, uintptr_t startsp, uintptr_t outp, int64_t
   int64_t* block_row = block_seq + n_blocks;
   float* scratch = reinterpret_cast<float*>(block_seq + block_words);
   for (int64_t s = 0, b = 0; s < n_seqs; ++s)
-    for (int64_t r = starts[s]; r < starts[s + 1]; r += kPackedQueryBlock, ++b) {
+    for (int64_t r = starts[s]; r < starts[s + 1]; r += query_block, ++b) {
       block_seq[b] = s;
       block_row[b] = r;
     }
