@@ -12,8 +12,8 @@ sentence, so its token types are all 0 (what sentence-transformers passes).
 On the native kernels the four matmuls of a layer run as Backend.encoder_matrix makes them: float weights (a
 Hugging Face directory, an F32/F16/BF16 GGUF) on the AMX-BF16 tiles where the CPU has them, else as Q8_0 blocks
 quantized at load; quantized GGUF weights as stored. On the tiles the feed-forward block is one kernel
-(Backend.gelu_mlp). all-MiniLM-L6-v2's vectors keep a cosine >= 0.9995 with
-sentence-transformers' either way (tests/test_embeddings_real.py); the reference backend keeps every weight exact.
+(Backend.gelu_mlp). all-MiniLM-L6-v2's vectors keep a cosine >= 0.9995 with sentence-transformers' either way
+(tests/test_embeddings_real.py); the reference backend keeps every weight exact.
 """
 
 from __future__ import annotations

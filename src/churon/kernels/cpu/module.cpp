@@ -182,7 +182,7 @@ PYBIND11_MODULE(_cpu, m) {
            py::arg("up_bias_ptr") = 0, py::arg("down_bias_ptr") = 0, py::arg("approximate") = "none",
            "y[m, down.rows] = gelu(x @ W^T + up_bias) @ down^T + down_bias, W this matrix (the up projection): each"
            " product as matmul's, gelu's output rounded to bfloat16 for the down projection (gelu within 5e-7;"
-           " approximate 'none' (erf) or 'tanh'); 32 rows at a time in one pass. A row's result is the same"
+           " approximate 'none' (erf) or 'tanh'); 128 rows at a time in one pass. A row's result is the same"
            " whatever m.");
 
   py::class_<QMatrixStack>(m, "QMatrixStack")

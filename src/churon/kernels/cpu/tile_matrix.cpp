@@ -1,5 +1,5 @@
-// Bf16TileMatrix (see tile_matrix.h): packing at construction, and the matmul's driver: the bias spread per
-// group, the rows or the row groups split across threads.
+// Bf16TileMatrix (see tile_matrix.h): packing at construction, and the drivers of the matmul (the bias spread per
+// group, the rows or the row groups split across threads) and of the GELU MLP (blocks of rows across threads).
 
 #include "tile_matrix.h"
 

@@ -1,7 +1,7 @@
 // Bf16TileMatrix: a float matrix rounded to bfloat16 and packed for the AMX-BF16 tiles
-// (matmul_amx_bf16.inc), and the parallel driver of its matmul. Built only where bf16_tiles()
-// (isa.h) is available; every matmul of it runs on the tiles, for every row count, so a row's result
-// never depends on the rows it is computed with.
+// (matmul_amx_bf16.inc), and the parallel drivers of its matmul and of the GELU MLP it makes with a
+// second one. Built only where bf16_tiles() (isa.h) is available; every matmul of it runs on the tiles,
+// for every row count, so a row's result never depends on the rows it is computed with.
 #pragma once
 
 #include <cstdint>
@@ -28,7 +28,7 @@ class Bf16TileMatrix {
   void matmul(uintptr_t xp, uintptr_t yp, int64_t m, uintptr_t biasp) const;
 
   // y[m, down.rows] = bf16(gelu(x @ this^T + up_bias)) @ bf16(down)^T + down_bias, as matmul does each, the gelu
-  // within 5e-7 (approximate "none": erf, or "tanh"), in one pass over 32 rows at a time; biases may be 0
+  // within 5e-7 (approximate "none": erf, or "tanh"), in one pass over kMlpRows rows at a time; biases may be 0
   void gelu_mlp(const Bf16TileMatrix& down, uintptr_t xp, uintptr_t yp, int64_t m, uintptr_t up_biasp,
                 uintptr_t down_biasp, const std::string& approximate) const;
 
