@@ -281,6 +281,92 @@ def test_matmul_precise(isa, qtype, threads):
     assert torch.equal(y1, y)
 
 
+def _precise(q, x: torch.Tensor) -> torch.Tensor:
+    y = torch.empty(x.shape[0], q.rows)
+    q.matmul(x.data_ptr(), y.data_ptr(), x.shape[0], 0, True)
+    return y
+
+
+def _argmax_logits(q, x: torch.Tensor) -> torch.Tensor:
+    y = torch.full((x.shape[0], q.rows), float("nan"))
+    q.matmul_argmax(x.data_ptr(), y.data_ptr(), x.shape[0])
+    return y
+
+
+def _check_argmax(got: torch.Tensor, want: torch.Tensor, where: str) -> torch.Tensor:
+    """got (matmul_argmax) against want (the precise product): kept values bitwise equal (NaN where want has NaN, none
+    dropped), dropped ones (-inf) below their row's maximum, each row's first maximum the same as numpy (the sampler)
+    finds it, NaN first. The kept mask."""
+    kept = got != -torch.inf
+    assert torch.equal(got[kept].nan_to_num(), want[kept].nan_to_num()), f"{where}: a kept value differs"
+    assert torch.equal(got.isnan(), want.isnan()), f"{where}: a NaN dropped or made"
+    finite_rows = ~want.isnan().any(1)
+    top = want[finite_rows].amax(1, keepdim=True)
+    dropped = ~kept[finite_rows]
+    assert bool((want[finite_rows][dropped] < top.expand(-1, want.shape[1])[dropped]).all()), f"{where}: a dropped value reaches the maximum"
+    assert np.array_equal(got.numpy().argmax(1), want.numpy().argmax(1)), where
+    return kept
+
+
+def _logit_weights(qtype: T, rows: int, cols: int) -> tuple[torch.Tensor, np.ndarray]:
+    """An output matrix whose rows 3, 7 (a copy of 3: an exact tie) and 11 (3 nudged: ties within the lo part)
+    lead for activations along row 3."""
+    rng = rng_for("logit weights", qtype.name, rows, cols)
+    w = torch.from_numpy(rng.standard_normal((rows, cols)).astype(np.float32)) * 0.05
+    w[7] = w[3]
+    w[11] = w[3]
+    w[11, 5] += 1e-4
+    raw = quantize(w, qtype.name)
+    return dequantize(raw, qtype, (rows, cols)), raw
+
+
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_1], ids=lambda t: t.name)
+def test_matmul_argmax(isa, qtype, threads):
+    # greedy decoding's logits: each row's first maximum is the precise product's, every value kept is the precise
+    # product's bit for bit, every value dropped (-inf) lies below the row's maximum; a Q8_0 matrix skips the lo
+    # product for most rows from 2 rows up to 15 (one row, 16 rows and more, other types: the precise product itself)
+    rows, cols = 16 * 70 + 5, 192  # a partial last group
+    w, raw = _logit_weights(qtype, rows, cols)
+    q = cpu.QMatrix(raw, int(qtype), rows, cols)
+    for m in (1, 2, 5, 9, 15, 16, 20):
+        rng = rng_for("logit x", m)
+        x = torch.from_numpy(rng.standard_normal((m, cols)).astype(np.float32))
+        x[:, 40] *= 30  # an outlier channel, as real hidden states have
+        x[::2] += 4 * w[3] / w[3].norm() * float(cols) ** 0.5  # even rows: rows 3, 7 and 11 lead
+        if m > 4:
+            x[4] = 0  # an all-zero row: every value 0, the first one the maximum
+        want, got = _precise(q, x), _argmax_logits(q, x)
+        kept = _check_argmax(got, want, f"m={m}")
+        assert bool((want[::2, 3] == want[::2, 7]).all()) and int(want[0].argmax()) in (3, 11)
+        assert 7 not in got[::2].argmax(1).tolist()  # the exact tie of rows 3 and 7 goes to the first
+        skipping = qtype == T.Q8_0 and 2 <= m < 16
+        assert bool(kept.all()) != skipping, f"m={m}: dropped {int((~kept).sum())} values"
+        if skipping:
+            assert float(kept.float().mean()) < 0.5  # most of the lo product skipped
+    # rows alone equal rows in a batch, on one thread as on two
+    x = torch.from_numpy(rng_for("logit x", 9).standard_normal((9, cols)).astype(np.float32))
+    batch = _argmax_logits(q, x)
+    threads(1)
+    assert torch.equal(_argmax_logits(q, x), batch)
+    assert torch.equal(_argmax_logits(q, x[:3].contiguous()).argmax(1), batch[:3].argmax(1))
+
+
+def test_matmul_argmax_non_finite_rows():
+    # rows with NaN, inf or huge values in x: the bound holds on the codes the kernel multiplies, so what it keeps is
+    # the precise product's, NaN included (the sampler's check sees it)
+    rows, cols = 16 * 8, 64
+    w, raw = _logit_weights(T.Q8_0, rows, cols)
+    q = cpu.QMatrix(raw, int(T.Q8_0), rows, cols)
+    x = torch.randn(4, cols)
+    x[1, 9] = float("nan")
+    x[2, 9] = 1e38
+    x[3, 9] = float("inf")
+    want, got = _precise(q, x), _argmax_logits(q, x)
+    assert bool(want[3].isnan().all()) and not bool(want[:3].isnan().any())
+    _check_argmax(got, want, "non-finite x")
+    assert bool((got[0] == -torch.inf).any())  # the ordinary row still skips
+
+
 def _anon_huge_kb() -> int:
     for line in open("/proc/self/smaps_rollup"):
         if line.startswith("AnonHugePages:"):

@@ -29,16 +29,26 @@ class QMatrix {
   const QWeights& weights() const { return w_; }
 
   void matmul(uintptr_t xp, uintptr_t yp, int64_t m, uintptr_t biasp, bool precise);
+  // y[m, rows]: the precise product where a value may be its row's maximum, -inf where it is sure to be below
+  // some other value of the row, so each row's first maximum is the precise product's (greedy decoding's token)
+  // for a fraction of the lo part's cost: the lo products run only for the 16-row groups that may hold it. A row
+  // with a non-finite hi value gets every lo product. Q8_0 weights; any other type: matmul(precise = true).
+  void matmul_argmax(uintptr_t xp, uintptr_t yp, int64_t m);
   void dequantize(uintptr_t outp);
   void dequantize_bf16(uintptr_t outp);
   // out[i, :] = dequantized row ids[i] (an embedding lookup); ids int64
   void dequantize_rows(uintptr_t idsp, int64_t n, uintptr_t outp);
 
  private:
+  ActQ quantize_split(const KernelTable* k, const float* x, int64_t m);
+  // per weight row, its Euclidean norm, rounded up (Q8_0; built on first use)
+  const std::vector<float>& row_norms();
+
   QWeights w_;
   WeightMemory mem_;
   std::string layout_;
   int64_t nbytes_ = 0;
+  std::vector<float> row_norms_;
 };
 
 // Matrices of different types stacked by rows, [sum of their rows, cols] (llama.cpp's Q4_K_M puts a
