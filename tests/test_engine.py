@@ -155,3 +155,36 @@ def test_memory_planner_says_what_fits(model_and_tokenizer):
     assert what_fits(40000, 32768) == "fits 2k context for 19 sequences, or 8k context for 4 sequences, or 32k context for 1 sequence"
     with pytest.raises(MemoryPlanError, match="does not fit"):
         plan_memory(config, 10**10, EngineConfig(), 256, torch.float32, available=10**9)
+
+
+def test_logits_rows_read_for_their_argmax_alone(model_and_tokenizer, monkeypatch):
+    # a step whose every sampled row is greedy with nothing else read of it (no penalty, bias, grammar, logprobs) asks
+    # the model for argmax-only logits (matmul_argmax: the lo product only where the maximum may be); any other request
+    # in the step gets the whole precise rows. The tokens are the same either way (test_kernels: matmul_argmax).
+    model, _ = model_and_tokenizer
+    flags = []
+    forward = type(model).forward_batch
+
+    def recording(self, batch, cache, argmax_only=False):
+        flags.append(argmax_only)
+        return forward(self, batch, cache, argmax_only)
+
+    monkeypatch.setattr(type(model), "forward_batch", recording)
+    ps = prompts(3, seed=5)
+    cases = {
+        "greedy": (GREEDY, True),
+        "logprobs": (SamplingParams(temperature=0, max_tokens=6, logprobs=2), False),
+        "penalty": (SamplingParams(temperature=0, max_tokens=6, repetition_penalty=1.3), False),
+        "bias": (SamplingParams(temperature=0, max_tokens=6, logit_bias={5: 2.0}), False),
+        "sampled": (sampled(0), False),
+        "grammar": (SamplingParams(temperature=0, max_tokens=6, json_schema={"type": "object"}), False),
+    }
+    for name, (params, expected) in cases.items():
+        flags.clear()
+        engine(model_and_tokenizer).generate(ps, params)
+        assert flags and set(flags) == {expected}, name
+    # a greedy request beside a sampled one: the step is not argmax-only, and the greedy tokens are those alone
+    flags.clear()
+    mixed = engine(model_and_tokenizer).generate(ps[:2], [GREEDY, sampled(1)])
+    assert not any(flags)
+    assert mixed[0].token_ids == alone(model_and_tokenizer, ps[:1], [GREEDY])[0]

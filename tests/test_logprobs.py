@@ -166,9 +166,9 @@ def test_prompt_logits_rows_per_step_are_bounded(model_and_tokenizer, monkeypatc
         rows: list[int] = []  # per step: the tokens of chunks that return every row
         execute = eng.runner.execute
 
-        def counting(scheduled, all_rows):
+        def counting(scheduled, all_rows, argmax_only=False):
             rows.append(sum(s.num_tokens for s, every in zip(scheduled, all_rows) if every))
-            return execute(scheduled, all_rows)
+            return execute(scheduled, all_rows, argmax_only)
 
         eng.runner.execute = counting
         return eng, eng.generate(ps, params), rows

@@ -155,6 +155,12 @@ class Sampler:
             for token, value in params.logit_bias.items():
                 self.bias[token] = value
 
+    @property
+    def takes_argmax(self) -> bool:
+        """The draw is the first maximum of the raw logits (where no grammar restricts them): greedy, no penalty or
+        bias."""
+        return self.params.greedy and not self.counting and self.bias is None
+
     def accept(self, token: int) -> None:
         if not self.counting:
             return
@@ -176,7 +182,7 @@ class Sampler:
         """
         p = self.params
         logits = raw = logits[: self.vocab_size]
-        if p.greedy and not self.counting and self.bias is None and allowed is None:
+        if self.takes_argmax and allowed is None:
             return self._argmax(logits, raw, allowed)
         logits = logits.clone()  # the steps below edit it in place
         if self.counting and p.repetition_penalty != 1.0:

@@ -257,7 +257,8 @@ class LLMEngine:
         with proposed tokens the ones verification kept and the draw after them), and seq_id -> the error
         of each request whose logits or sampling failed."""
         all_rows = [self._needs_all_logits(s) for s in out.scheduled]
-        logits = self.runner.execute(out.scheduled, all_rows)
+        argmax_only = not any(all_rows) and all(self.requests[s.seq.seq_id].draws_argmax for s in out.scheduled if s.sample)
+        logits = self.runner.execute(out.scheduled, all_rows, argmax_only)
         sampled, failed = {}, {}
         row = 0
         for s, all_logits in zip(out.scheduled, all_rows):

@@ -59,6 +59,12 @@ class Request:
         known = self.output.prompt_logprobs
         return known is not None and len(known) < len(self.seq.prompt_token_ids)
 
+    @property
+    def draws_argmax(self) -> bool:
+        """Each token is the first maximum of its raw logits row and nothing else of the row is read: greedy, without
+        penalties, logit bias, grammar or logprobs."""
+        return self.grammar is None and self.seq.params.logprobs is None and self.sampler.takes_argmax
+
     def on_prompt_logits(self, logits: torch.Tensor, start: int) -> None:
         """logits: the raw rows of positions start, start + 1, ...; position p's row scores prompt token p + 1."""
         known, prompt = self.output.prompt_logprobs, self.seq.prompt_token_ids

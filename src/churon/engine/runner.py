@@ -21,10 +21,12 @@ class ModelRunner:
         self.model = model
         self.cache = cache
 
-    def execute(self, scheduled: list[ScheduledSeq], all_logits: Sequence[bool] | None = None) -> torch.Tensor:
+    def execute(self, scheduled: list[ScheduledSeq], all_logits: Sequence[bool] | None = None,
+                argmax_only: bool = False) -> torch.Tensor:
         """Run one step; float32 logits in the order of `scheduled`: every row of the sequences
         all_logits marks (prompt logprobs), else for each sequence that samples the row of its last token and
-        those of the tokens proposed after it (speculative decoding)."""
+        those of the tokens proposed after it (speculative decoding). argmax_only: every row is read for its first
+        maximum alone (Transformer.forward_batch)."""
         all_logits = all_logits or [False] * len(scheduled)
         chunks = [
             SequenceChunk(
@@ -35,4 +37,4 @@ class ModelRunner:
             for s, every in zip(scheduled, all_logits, strict=True)
         ]
         batch = ForwardBatch.build(chunks, self.cache.block_size)
-        return self.model.forward_batch(batch, self.cache)
+        return self.model.forward_batch(batch, self.cache, argmax_only)

@@ -93,6 +93,11 @@ class Backend(Protocol):
 
     def linear_precise(self, w: Any, x: torch.Tensor) -> torch.Tensor: ...  # the logits: more precise activations
 
+    def linear_argmax(self, w: Any, x: torch.Tensor) -> torch.Tensor:
+        """linear_precise where only each row's first maximum is read (greedy decoding): a backend may put -inf in
+        place of values that are sure to lie below another of their row."""
+        ...
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
 
     def add_rms_norm(self, residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float,

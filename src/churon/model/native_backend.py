@@ -119,6 +119,14 @@ class NativeBackend:
         w.matmul(x.data_ptr(), y.data_ptr(), x.shape[0], 0, True)
         return y
 
+    def linear_argmax(self, w, x: torch.Tensor) -> torch.Tensor:
+        """linear_precise's values where one may be its row's maximum, -inf where it is sure to be below another
+        (the 16-bit activations' lo part runs only against the weight rows that may hold the maximum: Q8_0)"""
+        x = x.contiguous()
+        y = torch.empty(x.shape[0], w.rows)
+        w.matmul_argmax(x.data_ptr(), y.data_ptr(), x.shape[0])
+        return y
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         x = x.contiguous()
         n = x.shape[-1]

@@ -247,10 +247,15 @@ class Transformer:
         return self.forward_batch(ForwardBatch.build([chunk], cache.block_size), cache)
 
     @torch.inference_mode()
-    def forward_batch(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
-        """Run a step of many sequences; float32 logits of the rows batch.logits_indices names."""
-        logits = self.backend.linear_precise(self.lm_head, self.hidden_states(batch, cache)).float()
+    def forward_batch(self, batch: ForwardBatch, cache: KVCache, argmax_only: bool = False) -> torch.Tensor:
+        """Run a step of many sequences; float32 logits of the rows batch.logits_indices names. argmax_only: each
+        row's first maximum is all that is read of it (greedy decoding), so values sure to lie below another of their
+        row may be -inf."""
+        hidden = self.hidden_states(batch, cache)
         cap = self.config.final_logit_softcap
+        # soft-capping maps -inf to -cap, which another value may equal
+        linear = self.backend.linear_argmax if argmax_only and not cap else self.backend.linear_precise
+        logits = linear(self.lm_head, hidden).float()
         if cap:  # Gemma 2
             logits = torch.tanh(logits / cap) * cap
         return logits
