@@ -94,8 +94,8 @@ class Backend(Protocol):
     def linear_precise(self, w: Any, x: torch.Tensor) -> torch.Tensor: ...  # the logits: more precise activations
 
     def linear_argmax(self, w: Any, x: torch.Tensor) -> torch.Tensor:
-        """linear_precise where only each row's first maximum is read (greedy decoding): a backend may put -inf in
-        place of values that are sure to lie below another of their row."""
+        """linear_precise where only each row's first maximum is read (greedy decoding): a backend may give less
+        precise values where they are sure to lie below the row's maximum."""
         ...
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...

@@ -120,8 +120,8 @@ class NativeBackend:
         return y
 
     def linear_argmax(self, w, x: torch.Tensor) -> torch.Tensor:
-        """linear_precise's values where one may be its row's maximum, -inf where it is sure to be below another
-        (the 16-bit activations' lo part runs only against the weight rows that may hold the maximum: Q8_0)"""
+        """linear_precise's values where one may be its row's maximum, linear's (8-bit activations) where they are
+        sure to be below it: the 16-bit activations' lo part runs only against the weight rows that may win (Q8_0)"""
         x = x.contiguous()
         y = torch.empty(x.shape[0], w.rows)
         w.matmul_argmax(x.data_ptr(), y.data_ptr(), x.shape[0])

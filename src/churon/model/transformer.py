@@ -249,11 +249,11 @@ class Transformer:
     @torch.inference_mode()
     def forward_batch(self, batch: ForwardBatch, cache: KVCache, argmax_only: bool = False) -> torch.Tensor:
         """Run a step of many sequences; float32 logits of the rows batch.logits_indices names. argmax_only: each
-        row's first maximum is all that is read of it (greedy decoding), so values sure to lie below another of their
-        row may be -inf."""
+        row's first maximum is all that is read of it (greedy decoding), so values sure to lie below it may be less
+        precise (Backend.linear_argmax)."""
         hidden = self.hidden_states(batch, cache)
         cap = self.config.final_logit_softcap
-        # soft-capping maps -inf to -cap, which another value may equal
+        # soft-capping flattens the top: a value below the maximum may reach it once capped
         linear = self.backend.linear_argmax if argmax_only and not cap else self.backend.linear_precise
         logits = linear(self.lm_head, hidden).float()
         if cap:  # Gemma 2

@@ -252,6 +252,11 @@ struct KernelTable {
   uint64_t (*read_bytes)(const uint8_t* p, int64_t n);
   // dst[i] = src[i] as float16 (bf16 false) or bfloat16, round to nearest even
   void (*to_half)(const float* src, uint16_t* dst, int64_t n, bool bf16);
+  // QMatrix::matmul_argmax's bounds over n values of a row, h the hi products, value r within c * norm[r] of h[r]:
+  // returns the largest value sure to be reached (each h - c norm lowered by 2^-20 of its size); high[j] = the most
+  // a value of [16 j, 16 j + 16) may reach (h + c norm raised by 2^-20 of its size and 2^-100); *bad: some h is
+  // not finite
+  float (*argmax_bounds)(const float* h, const float* norm, float c, int64_t n, float* high, bool* bad);
   // LoRA tasks [t0, t1): shrink writes h, expand adds to y (see LoraArgs)
   void (*lora_shrink)(const LoraArgs& a, const LoraTask* tasks, int64_t t0, int64_t t1);
   void (*lora_expand)(const LoraArgs& a, const LoraTask* tasks, int64_t t0, int64_t t1);

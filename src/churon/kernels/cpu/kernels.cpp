@@ -18,6 +18,7 @@
 // sequence of operations whatever the row range, the thread, or the number of rows M it is
 // batched with (the batch-invariance requirement).
 
+#include <cfloat>
 #include <cmath>
 #include <type_traits>
 
@@ -1046,6 +1047,41 @@ void to_half(const float* src, uint16_t* dst, int64_t n, bool bf16) {
   for (; i < n; ++i) dst[i] = bf16 ? fp32_to_bf16(src[i]) : fp32_to_fp16(src[i]);
 }
 
+// ===========================================================================
+// matmul_argmax's bounds (see KernelTable). Any rounding here only widens them: c and norm are inflated by the
+// caller, and each bound moves by 2^-20 of its size, far more than one rounding.
+
+float argmax_bounds(const float* h, const float* norm, float c, int64_t n, float* high, bool* bad) {
+  float best = -INFINITY;
+  bool nonfinite = false;
+  for (int64_t r0 = 0; r0 < n; r0 += 16) {
+    const int64_t len = n - r0 < 16 ? n - r0 : 16;
+#if defined(K_AVX512)
+    const __mmask16 k = len == 16 ? __mmask16(0xffff) : __mmask16((1u << len) - 1);
+    const __m512 cv = _mm512_set1_ps(c), eps = _mm512_set1_ps(0x1p-20f);
+    const __m512 hv = _mm512_maskz_loadu_ps(k, h + r0), nv = _mm512_maskz_loadu_ps(k, norm + r0);
+    __m512 low = _mm512_fnmadd_ps(cv, nv, hv), up = _mm512_fmadd_ps(cv, nv, hv);
+    low = _mm512_fnmadd_ps(_mm512_abs_ps(low), eps, low);
+    up = _mm512_add_ps(_mm512_fmadd_ps(_mm512_abs_ps(up), eps, up), _mm512_set1_ps(0x1p-100f));
+    const __m512 none = _mm512_set1_ps(-INFINITY);
+    best = std::max(best, _mm512_reduce_max_ps(_mm512_mask_mov_ps(none, k, low)));
+    high[r0 / 16] = _mm512_reduce_max_ps(_mm512_mask_mov_ps(none, k, up));
+    nonfinite = nonfinite || _mm512_mask_cmp_ps_mask(k, _mm512_abs_ps(hv), _mm512_set1_ps(FLT_MAX), _CMP_NLE_UQ);
+#else
+    float most = -INFINITY;
+    for (int64_t r = r0; r < r0 + len; ++r) {
+      const float low = h[r] - c * norm[r], up = h[r] + c * norm[r];
+      best = std::max(best, low - std::fabs(low) * 0x1p-20f);
+      most = std::max(most, up + std::fabs(up) * 0x1p-20f + 0x1p-100f);
+      nonfinite = nonfinite || !(std::fabs(h[r]) <= FLT_MAX);
+    }
+    high[r0 / 16] = most;
+#endif
+  }
+  *bad = nonfinite;
+  return best;
+}
+
 uint64_t read_bytes(const uint8_t* p, int64_t n) {
 #if defined(K_SIMD)
   using namespace simd;
@@ -1078,7 +1114,7 @@ const KernelTable* table() {
   static const KernelTable t = {
       CHURON_STR(CHURON_ISA), quantize_act, gemm, dequant_rows, dequant_rows_bf16,
       rms_norm, add_rms_norm, rope, layer_norm, gelu, swiglu, geglu, softmax, attn_partial, attn_combine, attn_packed,
-      read_bytes, to_half, lora_shrink, lora_expand,
+      read_bytes, to_half, argmax_bounds, lora_shrink, lora_expand,
 #if defined(K_AMX_BF16)
       gemm_bf16_tiles, gelu_mlp_bf16_tiles, attn_packed_bf16_tiles,
 #else

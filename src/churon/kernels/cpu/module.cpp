@@ -152,10 +152,10 @@ PYBIND11_MODULE(_cpu, m) {
            " bits (x = hi + lo, each quantized to 8 bits, one matmul of 2m rows: the same weight traffic,"
            " about twice the compute); no effect for float weights.")
       .def("matmul_argmax", &QMatrix::matmul_argmax, py::arg("x_ptr"), py::arg("y_ptr"), py::arg("m"),
-           "y[m, rows]: matmul(precise=True)'s values where one may be its row's maximum, -inf where it is sure to"
-           " lie below another; each row's first maximum (greedy decoding's token) is the precise product's. Q8_0"
-           " weights run the lo part only for the row groups that may hold the maximum; other types: the precise"
-           " matmul.")
+           "y[m, rows]: matmul(precise=True)'s values where one may be its row's maximum, matmul(precise=False)'s"
+           " where it is sure to lie below another; each row's first maximum (greedy decoding's token) is the"
+           " precise product's. Q8_0 weights from 2 rows run the lo part only for the row groups that may hold the"
+           " maximum; otherwise the precise matmul.")
       .def("dequantize", &QMatrix::dequantize, py::arg("out_ptr"),
            "float32 [rows, cols], bitwise equal to churon.formats.quants.dequantize.")
       .def("dequantize_bf16", &QMatrix::dequantize_bf16, py::arg("out_ptr"),

@@ -4,7 +4,6 @@
 #include "qmatrix.h"
 
 #include <algorithm>
-#include <cfloat>
 #include <cmath>
 #include <cstring>
 #include <stdexcept>
@@ -22,8 +21,8 @@ namespace {
 Buffer g_act_buf, g_precise_buf;
 std::vector<float> g_chunk_top;
 std::vector<uint8_t> g_chunk_bad;
+std::vector<float> g_group_high;
 
-constexpr int64_t kArgmaxMaxRows = 16;  // matmul_argmax's own path below this many rows (see there)
 
 // whether a matmul of m rows has work (m < 0 raises)
 bool matmul_rows(int64_t m) {
@@ -164,11 +163,9 @@ const std::vector<float>& QMatrix::row_norms() {
 
 void QMatrix::matmul_argmax(uintptr_t xp, uintptr_t yp, int64_t m) {
   if (!matmul_rows(m)) return;
-  // One row: its lo product costs little beside reading the weights (SmolLM2's logits: 0.68 ms against 0.59 without
-  // it, 2 threads, AMX Xeon). From 16 rows the 2m rows of the precise product run on AMX tiles, which take the lo
-  // rows at little cost (m = 18: 2.6 ms either way; m = 40: 4.7 against 5.2). Between, the lo rows run on VNNI at
-  // the hi rows' cost (m = 9: 1.9 ms against 1.55).
-  if (w_.qtype != kQ8_0 || m < 2 || m >= kArgmaxMaxRows) return matmul(xp, yp, m, 0, true);
+  // One row: its lo product costs little beside reading the weights (SmolLM2's logits: 0.65 ms either way, 2 threads,
+  // AMX Xeon). From 2 rows it pays (precise against this: m = 9 2.0 / 1.5 ms, 32 4.3 / 3.1, 64 14.6 / 6.8).
+  if (w_.qtype != kQ8_0 || m < 2) return matmul(xp, yp, m, 0, true);
   const float* x = ptr<const float>(xp, "matmul_argmax: x");
   float* y = ptr<float>(yp, "matmul_argmax: y");
   const KernelTable* k = kt();
@@ -177,8 +174,7 @@ void QMatrix::matmul_argmax(uintptr_t xp, uintptr_t yp, int64_t m) {
   const float* norms = row_norms().data();
   const ActQ a = quantize_split(k, x, m);
   const ActQ lo = act_rows(a, m, m);
-  float* hi_y = reinterpret_cast<float*>(g_precise_buf.p) + m * w_.cols;  // [m][rows], then lo's [m][rows]
-  float* lo_y = hi_y + m * rows;
+  float* lo_y = reinterpret_cast<float*>(g_precise_buf.p) + m * w_.cols;  // [m][rows]
   // Row i's lo product with weight row r is at most |lo_i| |w_r| (Cauchy-Schwarz, the norms of the values the kernel
   // multiplies), and the kernel's float sum over blocks errs by less than (nb + 2) ulps of the sum of the blocks'
   // magnitudes, itself within |lo_i| |w_r|: c[i] is |lo_i| widened for that and for these bounds' own rounding.
@@ -195,56 +191,36 @@ void QMatrix::matmul_argmax(uintptr_t xp, uintptr_t yp, int64_t m) {
     }
     c[i] = float(std::sqrt(sum) * (1 + double(nb + 8) * 0x1p-22));
   }
-  // the hi products; per row and per parallel_for chunk (at its first group) the most the chunk's values are sure to
-  // reach, and whether any of them is not finite (kept per lane of a group's 16 values over the chunk: vectorizes)
+  // the hi products, straight into y; per row and per parallel_for chunk (at its first group) the most the chunk's
+  // values are sure to reach and whether some hi value is not finite, and per group the most its values may reach
   g_chunk_top.assign(static_cast<size_t>(m * ng), -INFINITY);
   g_chunk_bad.assign(static_cast<size_t>(m * ng), 0);
+  g_group_high.resize(static_cast<size_t>(m * ng));
   parallel_for(ng, kMatmulGrain, [&](int64_t g0, int64_t g1, int) {
-    k->gemm(w, a, nullptr, m, hi_y, nullptr, g0, g1);
-    const int64_t n = std::min(g1 * kGroupRows, rows) - g0 * kGroupRows;
+    k->gemm(w, a, nullptr, m, y, nullptr, g0, g1);
+    const int64_t r0 = g0 * kGroupRows, n = std::min(g1 * kGroupRows, rows) - r0;
     for (int64_t i = 0; i < m; ++i) {
-      const float ci = c[i];
-      const float* h = hi_y + i * rows + g0 * kGroupRows;
-      const float* norm = norms + g0 * kGroupRows;
-      float lane[kGroupRows];
-      int32_t bad[kGroupRows] = {};
-      std::fill(lane, lane + kGroupRows, -INFINITY);
-      for (int64_t r0 = 0; r0 < n; r0 += kGroupRows)
-        for (int64_t r = r0; r < std::min(r0 + kGroupRows, n); ++r) {
-          const float low = h[r] - ci * norm[r], sure = low - std::fabs(low) * 0x1p-20f;
-          lane[r - r0] = lane[r - r0] < sure ? sure : lane[r - r0];
-          bad[r - r0] |= !(std::fabs(h[r]) <= FLT_MAX);
-        }
-      g_chunk_top[i * ng + g0] = *std::max_element(lane, lane + kGroupRows);
-      g_chunk_bad[i * ng + g0] = std::any_of(bad, bad + kGroupRows, [](int32_t v) { return v != 0; });
+      bool bad = false;
+      g_chunk_top[i * ng + g0] =
+          k->argmax_bounds(y + i * rows + r0, norms + r0, c[i], n, g_group_high.data() + i * ng + g0, &bad);
+      g_chunk_bad[i * ng + g0] = bad;
     }
   });
-  std::vector<float> top(static_cast<size_t>(m));  // row i's maximum is at least top[i]
-  std::vector<uint8_t> all(static_cast<size_t>(m));  // row i gets every lo product: no bound holds for it
+  // a group with a value that may reach its row's maximum gets the lo products (the kernel's, as the precise matmul's)
+  // added: hi + lo, the precise value; every other value stays hi, below the maximum
   for (int64_t i = 0; i < m; ++i) {
-    top[i] = *std::max_element(g_chunk_top.begin() + i * ng, g_chunk_top.begin() + (i + 1) * ng);
-    all[i] = std::any_of(g_chunk_bad.begin() + i * ng, g_chunk_bad.begin() + (i + 1) * ng, [](uint8_t v) { return v; });
-    all[i] |= !std::isfinite(c[i]) || !(top[i] > -INFINITY);  // a NaN in x (its quantization drops it): no bound
+    const float top = *std::max_element(g_chunk_top.begin() + i * ng, g_chunk_top.begin() + (i + 1) * ng);
+    const bool all = std::any_of(g_chunk_bad.begin() + i * ng, g_chunk_bad.begin() + (i + 1) * ng,
+                                 [](uint8_t v) { return v; }) ||
+                     !std::isfinite(c[i]) || !(top > -INFINITY);  // NaN or inf in x: no bound, every lo product
+    const ActQ row = act_rows(lo, i, 1);
+    float* out = y + i * rows;
+    for (int64_t g = 0; g < ng; ++g) {
+      if (!all && !(g_group_high[i * ng + g] >= top)) continue;
+      k->gemm(w, row, nullptr, 1, lo_y + i * rows, nullptr, g, g + 1);
+      for (int64_t r = g * kGroupRows; r < std::min((g + 1) * kGroupRows, rows); ++r) out[r] += lo_y[i * rows + r];
+    }
   }
-  // a group with a value that may reach top gets its lo products (the kernel's, as the precise matmul's) and hi + lo;
-  // every other value is below top, so -inf leaves the row's first maximum where it was
-  parallel_for(ng, kMatmulGrain, [&](int64_t g0, int64_t g1, int) {
-    for (int64_t g = g0; g < g1; ++g)
-      for (int64_t i = 0; i < m; ++i) {
-        const int64_t r0 = g * kGroupRows, r1 = std::min((g + 1) * kGroupRows, rows);
-        int32_t reach = all[i];
-        for (int64_t r = r0; r < r1; ++r) {
-          const float high = hi_y[i * rows + r] + c[i] * norms[r];
-          reach |= high + std::fabs(high) * 0x1p-20f + 0x1p-100f >= top[i];
-        }
-        if (!reach) {
-          for (int64_t r = r0; r < r1; ++r) y[i * rows + r] = -INFINITY;
-          continue;
-        }
-        k->gemm(w, act_rows(lo, i, 1), nullptr, 1, lo_y + i * rows, nullptr, g, g + 1);
-        for (int64_t r = r0; r < r1; ++r) y[i * rows + r] = hi_y[i * rows + r] + lo_y[i * rows + r];
-      }
-  });
 }
 
 QMatrixStack::QMatrixStack(const std::vector<const QMatrix*>& parts) : parts_(parts) {

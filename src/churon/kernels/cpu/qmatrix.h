@@ -29,10 +29,10 @@ class QMatrix {
   const QWeights& weights() const { return w_; }
 
   void matmul(uintptr_t xp, uintptr_t yp, int64_t m, uintptr_t biasp, bool precise);
-  // y[m, rows]: the precise product where a value may be its row's maximum, -inf where it is sure to be below
-  // some other value of the row, so each row's first maximum is the precise product's (greedy decoding's token)
-  // for a fraction of the lo part's cost: the lo products run only for the 16-row groups that may hold it. A row
-  // with a non-finite hi value gets every lo product. Q8_0 weights; any other type: matmul(precise = true).
+  // y[m, rows]: the precise product where a value may be its row's maximum, the hi part alone (8-bit activations)
+  // where it is sure to be below the maximum, so each row's first maximum is the precise product's (greedy
+  // decoding's token) for a fraction of the lo part's cost: the lo products run only for the 16-row groups that
+  // may hold it. A row with NaN or inf gets every lo product. Q8_0 weights from 2 rows; otherwise matmul(precise).
   void matmul_argmax(uintptr_t xp, uintptr_t yp, int64_t m);
   void dequantize(uintptr_t outp);
   void dequantize_bf16(uintptr_t outp);
