@@ -16,13 +16,12 @@
 namespace churon {
 namespace {
 
-// scratch for quantized activations and the precise path, and matmul_argmax's per-chunk bounds (calls are
-// serialized by the GIL)
+// scratch for quantized activations and the precise path, and matmul_argmax's bounds: per row and parallel_for
+// chunk, per row and weight group (calls are serialized by the GIL)
 Buffer g_act_buf, g_precise_buf;
 std::vector<float> g_chunk_top;
 std::vector<uint8_t> g_chunk_bad;
 std::vector<float> g_group_high;
-
 
 // whether a matmul of m rows has work (m < 0 raises)
 bool matmul_rows(int64_t m) {
