@@ -366,6 +366,18 @@ def test_matmul_argmax_non_finite_rows():
     assert not bool(kept[0].all())  # the ordinary row still skips
 
 
+def test_matmul_argmax_refuses_bad_arguments():
+    rows, cols = 32, 64
+    _, raw = _logit_weights(T.Q8_0, rows, cols)
+    q = cpu.QMatrix(raw, int(T.Q8_0), rows, cols)
+    y = torch.empty(3, rows)
+    with pytest.raises(ValueError, match="m must be >= 0"):
+        q.matmul_argmax(0, y.data_ptr(), -1)
+    with pytest.raises(ValueError, match="x is a null pointer"):
+        q.matmul_argmax(0, y.data_ptr(), 3)
+    q.matmul_argmax(0, 0, 0)  # no rows: nothing read or written
+
+
 def _anon_huge_kb() -> int:
     for line in open("/proc/self/smaps_rollup"):
         if line.startswith("AnonHugePages:"):
