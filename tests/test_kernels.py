@@ -350,6 +350,90 @@ def test_matmul_argmax(isa, qtype, threads):
     assert torch.equal(_argmax_logits(q, x[:3].contiguous()).argmax(1), batch[:3].argmax(1))
 
 
+def _q8_0_codes(raw: np.ndarray, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray]:
+    """A GGUF Q8_0 matrix's codes [rows, cols] (int) and block scales [rows, cols / 32] (float64)."""
+    blocks = raw.reshape(rows, cols // 32, 34)
+    d = blocks[:, :, :2].copy().view(np.float16)[:, :, 0].astype(np.float64)
+    return blocks[:, :, 2:].copy().view(np.int8).astype(np.int64).reshape(rows, cols), d
+
+
+def test_matmul_argmax_one_row(isa, threads):
+    # One row (greedy decoding's step) reads the coarse copy prepare_argmax builds (each code's top 6 bits), then the
+    # precise product of the groups that may hold the maximum: each value is the precise product's or, strictly below
+    # the row's maximum, within |x| |w_r - coarse w_r| of it. Where the ISA has no coarse kernel, or before
+    # prepare_argmax, the precise product itself.
+    rows, cols = 16 * 70 + 5, 192
+    w, raw = _logit_weights(T.Q8_0, rows, cols)
+    q = cpu.QMatrix(raw, int(T.Q8_0), rows, cols)
+    codes, d = _q8_0_codes(raw, rows, cols)
+    coarse = np.minimum((codes + 2) >> 2, 31) * 4
+    residual = np.sqrt(((codes - coarse) ** 2 * np.repeat(d, 32, axis=1) ** 2).sum(1))
+    xs = torch.from_numpy(rng_for("one-row x").standard_normal((6, cols)).astype(np.float32))
+    xs[:, 40] *= 30
+    xs[::2] += 4 * w[3] / w[3].norm() * float(cols) ** 0.5  # rows 3, 7 (a tie) and 11 lead
+    x1 = lambda i: xs[i : i + 1].contiguous()
+    unprepared = [_argmax_logits(q, x1(i)) for i in range(len(xs))]
+    assert all(torch.equal(u, _precise(q, x1(i))) for i, u in enumerate(unprepared))
+    before = q.nbytes
+    built = q.prepare_argmax()
+    assert built == (isa in ("avx512", "amx")), isa
+    assert q.nbytes - before == (416 * 71 * 6 if built else 0)
+    assert q.prepare_argmax() == built and q.nbytes - before == (416 * 71 * 6 if built else 0)  # built once
+    for i in range(len(xs)):
+        want, got = _precise(q, x1(i)), _argmax_logits(q, x1(i))
+        assert np.array_equal(got.numpy().argmax(1), want.numpy().argmax(1)), i
+        kept = got == want
+        assert bool((got[~kept] < want.max()).all()), f"row {i}: a coarse value reaches the maximum"
+        err = (got - want).abs().double()[0]
+        assert bool((err <= 1.05 * float(xs[i].norm()) * torch.from_numpy(residual) + 1e-6).all()), i
+        if built:
+            assert float(kept.float().mean()) < 0.5, f"row {i}: {int(kept.sum())} of {rows} values precise"
+            if i % 2 == 0:  # the leaders' values are the precise ones
+                assert bool(kept[0, [3, 7, 11]].all())
+        else:
+            assert bool(kept.all())
+        if i % 2 == 0:
+            assert int(got.argmax()) == 3  # the exact tie of rows 3 and 7 goes to the first
+    threads(1)
+    one_thread = [_argmax_logits(q, x1(i)) for i in range(len(xs))]
+    threads(2)
+    assert all(torch.equal(o, _argmax_logits(q, x1(i))) for i, o in enumerate(one_thread))
+    # NaN, inf and huge values in x: NaN where the precise product has it (inf: some), the same first maximum
+    for bad in (float("nan"), float("inf"), 1e38):
+        x = x1(0).clone()
+        x[0, 9] = bad
+        want, got = _precise(q, x), _argmax_logits(q, x)
+        assert torch.equal(got.isnan(), want.isnan()) and (bad != float("inf") or bool(want.isnan().any()))
+        assert np.array_equal(got.numpy().argmax(1), want.numpy().argmax(1)), bad
+        kept = got == want
+        assert bool((got[~kept & ~got.isnan()] < want.max()).all())
+    # other types have no coarse copy
+    q4 = cpu.QMatrix(quantize(w, "Q4_1"), int(T.Q4_1), rows, cols)
+    assert not q4.prepare_argmax()
+
+
+def test_matmul_argmax_one_row_coarse_order_differs(isa):
+    # Weight row 5 leads the precise product (codes 81: coarse 80, +1 each), row 489 (another group) the coarse one
+    # (half its codes 82: coarse 84, -2; half 79: coarse 80, -1): the bound must send row 5's group to its precise
+    # product too, or row 489 would win
+    rows, cols = 16 * 40, 64
+    rng = rng_for("coarse order")
+    codes = rng.integers(-40, 41, size=(rows, cols))
+    codes[5] = 81
+    codes[489] = np.tile(np.repeat([82, 79], 16), cols // 32)
+    blocks = np.zeros((rows, cols // 32, 34), dtype=np.uint8)
+    blocks[:, :, :2] = np.full((rows, cols // 32, 1), 0.01, dtype=np.float16).view(np.uint8)
+    blocks[:, :, 2:] = codes.reshape(rows, cols // 32, 32).astype(np.int8).view(np.uint8)
+    q = cpu.QMatrix(blocks.reshape(-1), int(T.Q8_0), rows, cols)
+    x = torch.ones(1, cols)
+    want = _precise(q, x)
+    assert int(want.argmax()) == 5 and float(want[0, 5]) > float(want[0, 489])
+    if q.prepare_argmax():
+        got = _argmax_logits(q, x)
+        assert float(got[0, 489]) == float(want[0, 489])  # the coarse leader's group went precise
+        assert int(got.argmax()) == 5 and float(got[0, 5]) == float(want[0, 5])
+
+
 def test_matmul_argmax_non_finite_rows():
     # rows with NaN, inf or huge values in x: the bound holds on the codes the kernel multiplies, and a row with a
     # non-finite value gets the whole precise product, NaN included (the sampler's check sees it)

@@ -1114,7 +1114,13 @@ const KernelTable* table() {
   static const KernelTable t = {
       CHURON_STR(CHURON_ISA), quantize_act, gemm, dequant_rows, dequant_rows_bf16,
       rms_norm, add_rms_norm, rope, layer_norm, gelu, swiglu, geglu, softmax, attn_partial, attn_combine, attn_packed,
-      read_bytes, to_half, argmax_bounds, lora_shrink, lora_expand,
+      read_bytes, to_half, argmax_bounds,
+#if defined(K_AVX512)
+      gemm_coarse,
+#else
+      nullptr,
+#endif
+      lora_shrink, lora_expand,
 #if defined(K_AMX_BF16)
       gemm_bf16_tiles, gelu_mlp_bf16_tiles, attn_packed_bf16_tiles,
 #else

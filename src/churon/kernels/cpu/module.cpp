@@ -156,6 +156,9 @@ PYBIND11_MODULE(_cpu, m) {
            " where it is sure to lie below another; each row's first maximum (greedy decoding's token) is the"
            " precise product's. Q8_0 weights from 2 rows run the lo part only for the row groups that may hold the"
            " maximum; otherwise the precise matmul.")
+      .def("prepare_argmax", &QMatrix::prepare_argmax,
+           "Builds the coarse copy (6 of each code's 8 bits, nbytes grows by ~3/4) from which matmul_argmax takes one"
+           " row's values; True where it did (Q8_0 weights, an ISA with its kernel: AVX-512), False elsewhere.")
       .def("dequantize", &QMatrix::dequantize, py::arg("out_ptr"),
            "float32 [rows, cols], bitwise equal to churon.formats.quants.dequantize.")
       .def("dequantize_bf16", &QMatrix::dequantize_bf16, py::arg("out_ptr"),

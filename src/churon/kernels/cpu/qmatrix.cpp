@@ -160,14 +160,110 @@ const std::vector<float>& QMatrix::row_norms() {
   return row_norms_;
 }
 
+bool QMatrix::prepare_argmax() {
+  if (!coarse_bounds_.empty()) return true;
+  if (w_.qtype != kQ8_0 || !kt()->gemm_coarse) return false;
+  const int64_t nu = w_.nunits, ng = w_.ngroups;
+  WeightMemory mem(size_t(ng * nu * kCoarseUnitBytes) + 64);
+  std::vector<double> res(size_t(ng * kGroupRows)), whole(size_t(ng * kGroupRows));  // sums of squares per row
+  parallel_for(ng, 16, [&](int64_t g0, int64_t g1, int) {
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t u = 0; u < nu; ++u) {
+        // Q8_0 x16 unit: byte 64 j + 4 n + t is row n, column 4 j + t, stored + 128; then 16 float16 scales
+        const uint8_t* src = w_.data + g * w_.group_bytes + u * w_.unit_bytes;
+        uint8_t* dst = mem.data() + (g * nu + u) * kCoarseUnitBytes;
+        std::memset(dst, 0, kCoarseScales);
+        std::memcpy(dst + kCoarseScales, src + 512, 2 * kGroupRows);
+        for (int n = 0; n < kGroupRows; ++n) {
+          int64_t rr = 0, qq = 0;
+          for (int col = 0; col < 32; ++col) {
+            const int q = int(src[64 * (col / 4) + 4 * n + col % 4]) - 128;
+            const int c = std::min((q + 2) >> 2, 31) + 32;
+            const int r = q - 4 * (c - 32);
+            rr += r * r, qq += q * q;
+            const int half = col / 16, j = (col % 16) / 4, t = col % 4;
+            dst[64 * j + 4 * n + t] |= uint8_t((c & 15) << (4 * half));
+            dst[kQ6Hb + 64 * half + 4 * n + t] |= uint8_t((c >> 4) << (2 * j));
+          }
+          uint16_t h;
+          std::memcpy(&h, src + 512 + 2 * n, 2);
+          const double d = fp16_to_fp32(h);
+          res[g * kGroupRows + n] += d * d * double(rr);
+          whole[g * kGroupRows + n] += d * d * double(qq);
+        }
+      }
+  });
+  // Row r's coarse and precise products of an activation row x^ (its hi and lo parts, as the kernels take them) differ
+  // by x^ . res_r exactly, at most |x^| R (R = |res_r|, Cauchy-Schwarz), plus each kernel's float sum over nu blocks:
+  // under (nu + 2) 2^-24 |x^| (W + R) apiece (W = |w_r|), and the hi + lo additions: 2^-24 of |x^| (W + R) each.
+  // Bound per unit of |x^_hi| + |x^_lo|, widened for its own rounding.
+  std::vector<float> bounds(size_t(ng * kGroupRows), 0.0f);
+  for (int64_t r = 0; r < w_.rows; ++r) {
+    const double R = std::sqrt(res[r]), W = std::sqrt(whole[r]);
+    bounds[r] = float((R * (1 + 0x1p-20) + double(nu + 16) * 0x1p-22 * (W + R)) * (1 + 0x1p-20));
+  }
+  coarse_ = std::move(mem);
+  coarse_bounds_ = std::move(bounds);
+  nbytes_ += ng * nu * kCoarseUnitBytes;
+  layout_ += " + a 6-bit coarse copy for one-row argmax";
+  return true;
+}
+
+void QMatrix::argmax_one_row(const KernelTable* k, const float* x, float* y) {
+  const int64_t ng = w_.ngroups, rows = w_.rows, nb = w_.cols / kActBlock;
+  const ActQ a = quantize_split(k, x, 1);  // row 0 hi, row 1 lo
+  double norm[2] = {};
+  for (int i = 0; i < 2; ++i) {
+    for (int64_t b = 0; b < nb; ++b) {
+      double squares = 0;
+      for (int64_t c = 0; c < kActBlock; ++c) {
+        const double v = a.q[i * w_.cols + b * kActBlock + c];
+        squares += v * v;
+      }
+      norm[i] += double(a.d[i * nb + b]) * a.d[i * nb + b] * squares;
+    }
+    norm[i] = std::sqrt(norm[i]);
+  }
+  const float c = float((norm[0] + norm[1]) * (1 + 0x1p-20));
+  QWeights cw = w_;
+  cw.data = coarse_.data();
+  float* y2 = reinterpret_cast<float*>(g_precise_buf.p) + w_.cols;  // [2][rows]: coarse, then precise products
+  g_chunk_top.assign(static_cast<size_t>(ng), -INFINITY);
+  g_chunk_bad.assign(static_cast<size_t>(ng), 0);
+  g_group_high.resize(static_cast<size_t>(ng));
+  parallel_for(ng, kMatmulGrain, [&](int64_t g0, int64_t g1, int) {
+    k->gemm_coarse(cw, a, 2, y2, g0, g1);
+    const int64_t r0 = g0 * kGroupRows, r1 = std::min(g1 * kGroupRows, rows);
+    for (int64_t r = r0; r < r1; ++r) y[r] = y2[r] + y2[rows + r];
+    bool bad = false;
+    g_chunk_top[g0] = k->argmax_bounds(y + r0, coarse_bounds_.data() + r0, c, r1 - r0, g_group_high.data() + g0, &bad);
+    g_chunk_bad[g0] = bad;
+  });
+  const float top = *std::max_element(g_chunk_top.begin(), g_chunk_top.end());
+  const bool all = std::any_of(g_chunk_bad.begin(), g_chunk_bad.end(), [](uint8_t v) { return v; }) ||
+                   !std::isfinite(c) || !(top > -INFINITY);
+  if (all) {  // NaN or inf in x or a product: no bound, the precise product
+    matmul(reinterpret_cast<uintptr_t>(x), reinterpret_cast<uintptr_t>(y), 1, 0, true);
+    return;
+  }
+  // the groups that may hold the maximum: the precise product's kernel on the same codes, its hi + lo
+  for (int64_t g = 0; g < ng; ++g) {
+    if (!(g_group_high[g] >= top)) continue;
+    k->gemm(w_, a, nullptr, 2, y2, nullptr, g, g + 1);
+    for (int64_t r = g * kGroupRows; r < std::min((g + 1) * kGroupRows, rows); ++r) y[r] = y2[r] + y2[rows + r];
+  }
+}
+
 void QMatrix::matmul_argmax(uintptr_t xp, uintptr_t yp, int64_t m) {
   if (!matmul_rows(m)) return;
-  // One row: its lo product costs little beside reading the weights (SmolLM2's logits: 0.65 ms either way, 2 threads,
-  // AMX Xeon). From 2 rows it pays (precise against this: m = 9 2.0 / 1.5 ms, 32 4.3 / 3.1, 64 14.6 / 6.8).
-  if (w_.qtype != kQ8_0 || m < 2) return matmul(xp, yp, m, 0, true);
   const float* x = ptr<const float>(xp, "matmul_argmax: x");
   float* y = ptr<float>(yp, "matmul_argmax: y");
   const KernelTable* k = kt();
+  // One row: its lo product costs little beside reading the weights (SmolLM2's logits: 0.65 ms either way, 2 threads,
+  // AMX Xeon), but fewer bytes read do: the coarse copy. From 2 rows the lo part's cost counts (precise against this:
+  // m = 9 2.0 / 1.5 ms, 32 4.3 / 3.1, 64 14.6 / 6.8).
+  if (m == 1 && !coarse_bounds_.empty() && k->gemm_coarse) return argmax_one_row(k, x, y);
+  if (w_.qtype != kQ8_0 || m < 2) return matmul(xp, yp, m, 0, true);
   const QWeights& w = w_;
   const int64_t ng = w_.ngroups, rows = w_.rows, nb = w_.cols / kActBlock;
   const float* norms = row_norms().data();

@@ -32,8 +32,13 @@ class QMatrix {
   // y[m, rows]: the precise product where a value may be its row's maximum, the hi part alone (8-bit activations)
   // where it is sure to be below the maximum, so each row's first maximum is the precise product's (greedy
   // decoding's token) for a fraction of the lo part's cost: the lo products run only for the 16-row groups that
-  // may hold it. A row with NaN or inf gets every lo product. Q8_0 weights from 2 rows; otherwise matmul(precise).
+  // may hold it. A row with NaN or inf gets every lo product. Q8_0 weights from 2 rows; one row reads the coarse
+  // copy prepare_argmax built (a quarter fewer bytes), then the precise product of the groups that may hold the
+  // maximum; otherwise matmul(precise).
   void matmul_argmax(uintptr_t xp, uintptr_t yp, int64_t m);
+  // Builds the coarse copy matmul_argmax's one-row case reads (Q8_0 where the ISA has its kernel: 6 of each code's
+  // 8 bits, common.h's kCoarseUnitBytes; nbytes grows by it); false, and nothing built, elsewhere
+  bool prepare_argmax();
   void dequantize(uintptr_t outp);
   void dequantize_bf16(uintptr_t outp);
   // out[i, :] = dequantized row ids[i] (an embedding lookup); ids int64
@@ -41,6 +46,7 @@ class QMatrix {
 
  private:
   ActQ quantize_split(const KernelTable* k, const float* x, int64_t m);
+  void argmax_one_row(const KernelTable* k, const float* x, float* y);
   // per weight row, its Euclidean norm, rounded up (Q8_0; built on first use)
   const std::vector<float>& row_norms();
 
@@ -49,6 +55,8 @@ class QMatrix {
   std::string layout_;
   int64_t nbytes_ = 0;
   std::vector<float> row_norms_;
+  WeightMemory coarse_;               // prepare_argmax's copy
+  std::vector<float> coarse_bounds_;  // per row: how far its coarse product may lie from the precise one, per unit of x
 };
 
 // Matrices of different types stacked by rows, [sum of their rows, cols] (llama.cpp's Q4_K_M puts a
