@@ -157,6 +157,25 @@ def test_memory_planner_says_what_fits(model_and_tokenizer):
         plan_memory(config, 10**10, EngineConfig(), 256, torch.float32, available=10**9)
 
 
+def test_one_row_greedy_steps_read_the_coarse_copy(tmp_path, monkeypatch):
+    # a large Q8_0 output matrix gets a 6-bit coarse copy (NativeBackend.prepare_argmax, counted in the weights'
+    # bytes); a greedy request decoding alone reads it, and its tokens are those without it (a tiny model here, the
+    # size threshold lowered to 0)
+    from churon.model.native_backend import NativeBackend
+
+    path = write_gguf(make_hf_model("llama", tmp_path / "hf"), tmp_path / "m.gguf", "Q8_0")
+    plain, tokenizer, _ = load_model(path)
+    monkeypatch.setattr(NativeBackend, "COARSE_ARGMAX_BYTES", 0)
+    coarse, _, _ = load_model(path)
+    if "coarse" not in getattr(coarse.lm_head, "layout", ""):
+        pytest.skip("no coarse argmax kernel here (native backend with AVX-512)")
+    assert "coarse" not in plain.lm_head.layout and coarse.weight_bytes() > plain.weight_bytes()
+    for p in prompts(4, seed=9):
+        want = LLMEngine(plain, tokenizer, EngineConfig(kv_cache_memory=4 << 20)).generate([p], GREEDY)[0]
+        got = LLMEngine(coarse, tokenizer, EngineConfig(kv_cache_memory=4 << 20)).generate([p], GREEDY)[0]
+        assert got.token_ids == want.token_ids
+
+
 def test_logits_rows_read_for_their_argmax_alone(model_and_tokenizer, monkeypatch):
     # a step whose every sampled row is greedy with nothing else read of it (no penalty, bias, grammar, logprobs) asks
     # the model for argmax-only logits (matmul_argmax: the lo product only where the maximum may be); any other request

@@ -98,6 +98,11 @@ class Backend(Protocol):
         precise values where they are sure to lie below the row's maximum."""
         ...
 
+    def prepare_argmax(self, w: Any) -> None:
+        """Make w (the logits' matrix) ready for linear_argmax, before the memory is planned (what it builds counts
+        in w.nbytes)."""
+        ...
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
 
     def add_rms_norm(self, residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float,

@@ -45,6 +45,9 @@ class ReferenceBackend:
     def linear_argmax(self, w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, w)
 
+    def prepare_argmax(self, w: torch.Tensor) -> None:
+        pass
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         # normalize in fp32 whatever the activation dtype, as the reference implementation does
         h = x.float()

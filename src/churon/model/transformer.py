@@ -210,6 +210,8 @@ class Transformer:
         self.layers = [LayerWeights.build(config, i, weights, b) for i in range(config.num_layers)]
         self.norm = b.vector(weights["norm.weight"])
         self.lm_head = self.embed_tokens if config.tie_word_embeddings else b.matrix(weights["lm_head.weight"])
+        if not config.final_logit_softcap:  # forward_batch's argmax logits (soft-capping never takes them)
+            b.prepare_argmax(self.lm_head)
         self.lora: LoraSlots | None = None  # enable_lora
         # the layer stack as one native call where the backend has one for this model (None: op by op, as
         # DecoderBlock reads; the two are bitwise the same, and a batch with LoRA slots always goes op by op)
