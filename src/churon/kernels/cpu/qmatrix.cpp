@@ -174,22 +174,22 @@ bool QMatrix::prepare_argmax() {
         uint8_t* dst = mem.data() + (g * nu + u) * kCoarseUnitBytes;
         std::memset(dst, 0, kCoarseScales);
         std::memcpy(dst + kCoarseScales, src + 512, 2 * kGroupRows);
+        int64_t rr[kGroupRows] = {}, qq[kGroupRows] = {};
+        for (int i = 0; i < 512; ++i) {  // i = 64 j + 4 n + t: column 4 j + t, coarse half j / 4, its j % 4
+          const int q = int(src[i]) - 128;
+          const int c = std::min((q + 2) >> 2, 31) + 32;
+          const int r = q - 4 * (c - 32);
+          rr[(i & 63) >> 2] += r * r;
+          qq[(i & 63) >> 2] += q * q;
+          dst[i & 255] |= uint8_t((c & 15) << (4 * (i >> 8)));
+          dst[kQ6Hb + 64 * (i >> 8) + (i & 63)] |= uint8_t((c >> 4) << (2 * ((i >> 6) & 3)));
+        }
         for (int n = 0; n < kGroupRows; ++n) {
-          int64_t rr = 0, qq = 0;
-          for (int col = 0; col < 32; ++col) {
-            const int q = int(src[64 * (col / 4) + 4 * n + col % 4]) - 128;
-            const int c = std::min((q + 2) >> 2, 31) + 32;
-            const int r = q - 4 * (c - 32);
-            rr += r * r, qq += q * q;
-            const int half = col / 16, j = (col % 16) / 4, t = col % 4;
-            dst[64 * j + 4 * n + t] |= uint8_t((c & 15) << (4 * half));
-            dst[kQ6Hb + 64 * half + 4 * n + t] |= uint8_t((c >> 4) << (2 * j));
-          }
           uint16_t h;
           std::memcpy(&h, src + 512 + 2 * n, 2);
           const double d = fp16_to_fp32(h);
-          res[g * kGroupRows + n] += d * d * double(rr);
-          whole[g * kGroupRows + n] += d * d * double(qq);
+          res[g * kGroupRows + n] += d * d * double(rr[n]);
+          whole[g * kGroupRows + n] += d * d * double(qq[n]);
         }
       }
   });
