@@ -252,11 +252,12 @@ struct KernelTable {
   uint64_t (*read_bytes)(const uint8_t* p, int64_t n);
   // dst[i] = src[i] as float16 (bf16 false) or bfloat16, round to nearest even
   void (*to_half)(const float* src, uint16_t* dst, int64_t n, bool bf16);
-  // QMatrix::matmul_argmax's bounds over n values of a row, h the hi products, value r within c * norm[r] of h[r]:
-  // returns the largest value sure to be reached (each h - c norm lowered by 2^-20 of its size); high[j] = the most
-  // a value of [16 j, 16 j + 16) may reach (h + c norm raised by 2^-20 of its size and 2^-100); *bad: some h is
-  // not finite
-  float (*argmax_bounds)(const float* h, const float* norm, float c, int64_t n, float* high, bool* bad);
+  // QMatrix::matmul_argmax's bounds over n values of a row, h the hi products, value r within b = c * norm[r]
+  // (+ c2 * norm2[r] where norm2 is not null) of h[r]: returns the largest value sure to be reached (each h - b
+  // lowered by 2^-20 of its size, or of |h| + b with norm2); high[j] = the most a value of [16 j, 16 j + 16) may reach
+  // (h + b raised as much, and by 2^-100); *bad: some h is not finite
+  float (*argmax_bounds)(const float* h, const float* norm, float c, const float* norm2, float c2, int64_t n,
+                         float* high, bool* bad);
   // y[m, rows] for the row groups [g0, g1), m = 1 or 2 rows of a: the products with a coarse copy (kCoarseUnitBytes
   // units, c.data; its geometry that of the Q8_0 matrix it was made of). Null where the ISA has none.
   void (*gemm_coarse)(const QWeights& c, const ActQ& a, int64_t m, float* y, int64_t g0, int64_t g1);

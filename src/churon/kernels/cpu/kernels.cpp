@@ -1051,7 +1051,8 @@ void to_half(const float* src, uint16_t* dst, int64_t n, bool bf16) {
 // matmul_argmax's bounds (see KernelTable). Any rounding here only widens them: c and norm are inflated by the
 // caller, and each bound moves by 2^-20 of its size, far more than one rounding.
 
-float argmax_bounds(const float* h, const float* norm, float c, int64_t n, float* high, bool* bad) {
+float argmax_bounds(const float* h, const float* norm, float c, const float* norm2, float c2, int64_t n, float* high,
+                    bool* bad) {
   float best = -INFINITY;
   bool nonfinite = false;
   for (int64_t r0 = 0; r0 < n; r0 += 16) {
@@ -1060,9 +1061,18 @@ float argmax_bounds(const float* h, const float* norm, float c, int64_t n, float
     const __mmask16 k = len == 16 ? __mmask16(0xffff) : __mmask16((1u << len) - 1);
     const __m512 cv = _mm512_set1_ps(c), eps = _mm512_set1_ps(0x1p-20f);
     const __m512 hv = _mm512_maskz_loadu_ps(k, h + r0), nv = _mm512_maskz_loadu_ps(k, norm + r0);
-    __m512 low = _mm512_fnmadd_ps(cv, nv, hv), up = _mm512_fmadd_ps(cv, nv, hv);
-    low = _mm512_fnmadd_ps(_mm512_abs_ps(low), eps, low);
-    up = _mm512_add_ps(_mm512_fmadd_ps(_mm512_abs_ps(up), eps, up), _mm512_set1_ps(0x1p-100f));
+    __m512 low, up;
+    if (!norm2) {  // one rounding each: 2^-20 of the result's size covers it
+      low = _mm512_fnmadd_ps(cv, nv, hv), up = _mm512_fmadd_ps(cv, nv, hv);
+      low = _mm512_fnmadd_ps(_mm512_abs_ps(low), eps, low);
+      up = _mm512_fmadd_ps(_mm512_abs_ps(up), eps, up);
+    } else {  // three roundings, each within 2^-23 of |h| + b
+      const __m512 b = _mm512_fmadd_ps(_mm512_set1_ps(c2), _mm512_maskz_loadu_ps(k, norm2 + r0), _mm512_mul_ps(cv, nv));
+      const __m512 slack = _mm512_mul_ps(_mm512_add_ps(_mm512_abs_ps(hv), b), eps);
+      low = _mm512_sub_ps(_mm512_sub_ps(hv, b), slack);
+      up = _mm512_add_ps(_mm512_add_ps(hv, b), slack);
+    }
+    up = _mm512_add_ps(up, _mm512_set1_ps(0x1p-100f));
     const __m512 none = _mm512_set1_ps(-INFINITY);
     best = std::max(best, _mm512_reduce_max_ps(_mm512_mask_mov_ps(none, k, low)));
     high[r0 / 16] = _mm512_reduce_max_ps(_mm512_mask_mov_ps(none, k, up));
@@ -1070,9 +1080,16 @@ float argmax_bounds(const float* h, const float* norm, float c, int64_t n, float
 #else
     float most = -INFINITY;
     for (int64_t r = r0; r < r0 + len; ++r) {
-      const float low = h[r] - c * norm[r], up = h[r] + c * norm[r];
-      best = std::max(best, low - std::fabs(low) * 0x1p-20f);
-      most = std::max(most, up + std::fabs(up) * 0x1p-20f + 0x1p-100f);
+      float low, up;
+      if (!norm2) {
+        low = h[r] - c * norm[r], up = h[r] + c * norm[r];
+        low -= std::fabs(low) * 0x1p-20f, up += std::fabs(up) * 0x1p-20f;
+      } else {
+        const float b = c * norm[r] + c2 * norm2[r], slack = (std::fabs(h[r]) + b) * 0x1p-20f;
+        low = h[r] - b - slack, up = h[r] + b + slack;
+      }
+      best = std::max(best, low);
+      most = std::max(most, up + 0x1p-100f);
       nonfinite = nonfinite || !(std::fabs(h[r]) <= FLT_MAX);
     }
     high[r0 / 16] = most;

@@ -165,7 +165,7 @@ bool QMatrix::prepare_argmax() {
   if (w_.qtype != kQ8_0 || !kt()->gemm_coarse) return false;
   const int64_t nu = w_.nunits, ng = w_.ngroups;
   WeightMemory mem(size_t(ng * nu * kCoarseUnitBytes) + 64);
-  std::vector<double> res(size_t(ng * kGroupRows)), whole(size_t(ng * kGroupRows));  // sums of squares per row
+  std::vector<double> res(size_t(ng * kGroupRows));  // per row, the residuals' sum of squares
   parallel_for(ng, 16, [&](int64_t g0, int64_t g1, int) {
     for (int64_t g = g0; g < g1; ++g)
       for (int64_t u = 0; u < nu; ++u) {
@@ -174,13 +174,12 @@ bool QMatrix::prepare_argmax() {
         uint8_t* dst = mem.data() + (g * nu + u) * kCoarseUnitBytes;
         std::memset(dst, 0, kCoarseScales);
         std::memcpy(dst + kCoarseScales, src + 512, 2 * kGroupRows);
-        int64_t rr[kGroupRows] = {}, qq[kGroupRows] = {};
+        int64_t rr[kGroupRows] = {};
         for (int i = 0; i < 512; ++i) {  // i = 64 j + 4 n + t: column 4 j + t, coarse half j / 4, its j % 4
           const int q = int(src[i]) - 128;
           const int c = std::min((q + 2) >> 2, 31) + 32;
           const int r = q - 4 * (c - 32);
           rr[(i & 63) >> 2] += r * r;
-          qq[(i & 63) >> 2] += q * q;
           dst[i & 255] |= uint8_t((c & 15) << (4 * (i >> 8)));
           dst[kQ6Hb + 64 * (i >> 8) + (i & 63)] |= uint8_t((c >> 4) << (2 * ((i >> 6) & 3)));
         }
@@ -189,17 +188,18 @@ bool QMatrix::prepare_argmax() {
           std::memcpy(&h, src + 512 + 2 * n, 2);
           const double d = fp16_to_fp32(h);
           res[g * kGroupRows + n] += d * d * double(rr[n]);
-          whole[g * kGroupRows + n] += d * d * double(qq[n]);
         }
       }
   });
-  // Row r's coarse and precise products of an activation row x^ (its hi and lo parts, as the kernels take them) differ
-  // by x^ . res_r exactly, at most |x^| R (R = |res_r|, Cauchy-Schwarz), plus each kernel's float sum over nu blocks:
-  // under (nu + 2) 2^-24 |x^| (W + R) apiece (W = |w_r|), and the hi + lo additions: 2^-24 of |x^| (W + R) each.
-  // Bound per unit of |x^_hi| + |x^_lo|, widened for its own rounding.
+  // Row r's precise product of an activation row x^ = hi + lo (the kernels' operands) and the coarse product of hi
+  // differ by hi . res_r + lo . w_r exactly: at most |hi| R + |lo| W (Cauchy-Schwarz; R = |res_r|, W = |w_r|), plus
+  // the float sums over nu blocks, under (nu + 2) 2^-24 of |hi| W (precise), |hi| (W + R) (coarse) and |lo| W, and
+  // the hi + lo addition, 2^-24 of |hi| (W + R) + |lo| W. Per unit of |hi|: this bound (the |lo| terms, per unit of
+  // |lo|, are row_norms(), widened by argmax_one_row), widened for its own rounding.
+  const float* whole = row_norms().data();
   std::vector<float> bounds(size_t(ng * kGroupRows), 0.0f);
   for (int64_t r = 0; r < w_.rows; ++r) {
-    const double R = std::sqrt(res[r]), W = std::sqrt(whole[r]);
+    const double R = std::sqrt(res[r]), W = whole[r];
     bounds[r] = float((R * (1 + 0x1p-20) + double(nu + 16) * 0x1p-22 * (W + R)) * (1 + 0x1p-20));
   }
   coarse_ = std::move(mem);
@@ -224,34 +224,41 @@ void QMatrix::argmax_one_row(const KernelTable* k, const float* x, float* y) {
     }
     norm[i] = std::sqrt(norm[i]);
   }
-  const float c = float((norm[0] + norm[1]) * (1 + 0x1p-20));
+  const float c = float(norm[0] * (1 + 0x1p-20)), c2 = float(norm[1] * (1 + double(nb + 8) * 0x1p-22));
+  const float* whole = row_norms().data();
   QWeights cw = w_;
   cw.data = coarse_.data();
-  float* y2 = reinterpret_cast<float*>(g_precise_buf.p) + w_.cols;  // [2][rows]: coarse, then precise products
+  float* y2 = reinterpret_cast<float*>(g_precise_buf.p) + w_.cols;  // [2][rows]: the precise products' hi and lo
   g_chunk_top.assign(static_cast<size_t>(ng), -INFINITY);
   g_chunk_bad.assign(static_cast<size_t>(ng), 0);
   g_group_high.resize(static_cast<size_t>(ng));
   parallel_for(ng, kMatmulGrain, [&](int64_t g0, int64_t g1, int) {
-    k->gemm_coarse(cw, a, 2, y2, g0, g1);
+    k->gemm_coarse(cw, a, 1, y, g0, g1);  // hi's coarse product
     const int64_t r0 = g0 * kGroupRows, r1 = std::min(g1 * kGroupRows, rows);
-    for (int64_t r = r0; r < r1; ++r) y[r] = y2[r] + y2[rows + r];
     bool bad = false;
-    g_chunk_top[g0] = k->argmax_bounds(y + r0, coarse_bounds_.data() + r0, c, r1 - r0, g_group_high.data() + g0, &bad);
+    g_chunk_top[g0] = k->argmax_bounds(y + r0, coarse_bounds_.data() + r0, c, whole + r0, c2, r1 - r0,
+                                       g_group_high.data() + g0, &bad);
     g_chunk_bad[g0] = bad;
   });
   const float top = *std::max_element(g_chunk_top.begin(), g_chunk_top.end());
   const bool all = std::any_of(g_chunk_bad.begin(), g_chunk_bad.end(), [](uint8_t v) { return v; }) ||
-                   !std::isfinite(c) || !(top > -INFINITY);
+                   !std::isfinite(c) || !std::isfinite(c2) || !(top > -INFINITY);
   if (all) {  // NaN or inf in x or a product: no bound, the precise product
     matmul(reinterpret_cast<uintptr_t>(x), reinterpret_cast<uintptr_t>(y), 1, 0, true);
     return;
   }
-  // the groups that may hold the maximum: the precise product's kernel on the same codes, its hi + lo
-  for (int64_t g = 0; g < ng; ++g) {
-    if (!(g_group_high[g] >= top)) continue;
-    k->gemm(w_, a, nullptr, 2, y2, nullptr, g, g + 1);
-    for (int64_t r = g * kGroupRows; r < std::min((g + 1) * kGroupRows, rows); ++r) y[r] = y2[r] + y2[rows + r];
-  }
+  // the groups that may hold the maximum (hundreds of Gemma 3's 16,384 for a flat distribution): the precise product's
+  // kernel on the same codes, its hi + lo, on every thread
+  std::vector<int64_t> maybe;
+  for (int64_t g = 0; g < ng; ++g)
+    if (g_group_high[g] >= top) maybe.push_back(g);
+  parallel_for(int64_t(maybe.size()), 4, [&](int64_t b, int64_t e, int) {
+    for (int64_t i = b; i < e; ++i) {
+      const int64_t g = maybe[i];
+      k->gemm(w_, a, nullptr, 2, y2, nullptr, g, g + 1);
+      for (int64_t r = g * kGroupRows; r < std::min((g + 1) * kGroupRows, rows); ++r) y[r] = y2[r] + y2[rows + r];
+    }
+  });
 }
 
 void QMatrix::matmul_argmax(uintptr_t xp, uintptr_t yp, int64_t m) {
@@ -297,7 +304,7 @@ void QMatrix::matmul_argmax(uintptr_t xp, uintptr_t yp, int64_t m) {
     for (int64_t i = 0; i < m; ++i) {
       bool bad = false;
       g_chunk_top[i * ng + g0] =
-          k->argmax_bounds(y + i * rows + r0, norms + r0, c[i], n, g_group_high.data() + i * ng + g0, &bad);
+          k->argmax_bounds(y + i * rows + r0, norms + r0, c[i], nullptr, 0, n, g_group_high.data() + i * ng + g0, &bad);
       g_chunk_bad[i * ng + g0] = bad;
     }
   });
