@@ -75,6 +75,25 @@ def test_inspect_reports_structure_and_memory(tiny_llama_q8):
     assert "160 bytes (2 x 2 layers x 2 KV heads x (16 head dim x 1 bytes + a 4-byte scale))" in result.stdout
 
 
+def test_inspect_counts_the_greedy_logits_copy(tiny_llama_q8, monkeypatch, capsys):
+    # a Q8_0 output matrix of NativeBackend.COARSE_ARGMAX_BYTES or more gets a coarse copy at load: inspect says how
+    # much memory it adds, what loading the model adds (the tiny model's matrix is small: the threshold lowered to 0)
+    from churon import cli
+    from churon.loader import load_model
+    from churon.model.native_backend import NativeBackend
+
+    assert "greedy logits copy" not in churon("inspect", tiny_llama_q8).stdout
+    plain = load_model(tiny_llama_q8)[0]
+    monkeypatch.setattr(NativeBackend, "COARSE_ARGMAX_BYTES", 0)
+    assert cli.main(["inspect", str(tiny_llama_q8)]) == 0
+    line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("greedy logits copy"))
+    coarse = load_model(tiny_llama_q8)[0]
+    if "coarse" not in getattr(coarse.lm_head, "layout", ""):
+        pytest.skip("no coarse argmax kernel here (native backend with AVX-512)")
+    added = coarse.weight_bytes() - plain.weight_bytes()
+    assert added > 0 and f"{added / 1024:.1f} KiB more at run time" in line, (line, added)
+
+
 def test_inspect_a_hugging_face_directory(tiny_llama_dir):
     result = churon("inspect", tiny_llama_dir, "--kv-dtype", "bf16")
     assert result.returncode == 0, result.stderr
