@@ -258,9 +258,9 @@ struct KernelTable {
   // (h + b raised as much, and by 2^-100); *bad: some h is not finite
   float (*argmax_bounds)(const float* h, const float* norm, float c, const float* norm2, float c2, int64_t n,
                          float* high, bool* bad);
-  // y[m, rows] for the row groups [g0, g1), m = 1 or 2 rows of a: the products with a coarse copy (kCoarseUnitBytes
-  // units, c.data; its geometry that of the Q8_0 matrix it was made of). Null where the ISA has none.
-  void (*gemm_coarse)(const QWeights& c, const ActQ& a, int64_t m, float* y, int64_t g0, int64_t g1);
+  // y[rows] for the row groups [g0, g1): activation row 0 of a times a coarse copy (kCoarseUnitBytes units, c.data;
+  // its geometry that of the Q8_0 matrix it was made of). Null where the ISA has none.
+  void (*gemm_coarse)(const QWeights& c, const ActQ& a, float* y, int64_t g0, int64_t g1);
   // LoRA tasks [t0, t1): shrink writes h, expand adds to y (see LoraArgs)
   void (*lora_shrink)(const LoraArgs& a, const LoraTask* tasks, int64_t t0, int64_t t1);
   void (*lora_expand)(const LoraArgs& a, const LoraTask* tasks, int64_t t0, int64_t t1);
@@ -394,7 +394,7 @@ static constexpr int kq_mn(int qt) { return kq_sc(qt) + 16; }  // Q4_K, Q5_K
 constexpr int kQ5Qh = 256;   // Q5_0 / Q5_K qh masks inside a unit / sub-block
 constexpr int kQ6Hb = 256;   // Q6_K high bits inside a sub-block
 
-// QMatrix::matmul_argmax's coarse copy of a Q8_0 matrix (one activation row): code q (-128..127) as the 6-bit
+// QMatrix::matmul_argmax's coarse copy of a Q8_0 matrix (one activation row's greedy logits): code q (-128..127) as the 6-bit
 // c = min((q + 2) >> 2, 31) + 32, so that q = 4 (c - 32) + a residual of -2..3. x16 units of 32 columns laid out
 // as a Q6_K sub-block (256 bytes of low nibbles, the high two bits at kQ6Hb; byte 64 j + 4 n + t: row n, columns
 // 4 j + t and 16 + 4 j + t), then the 16 rows' float16 Q8_0 scales: 416 bytes where Q8_0 has 544

@@ -233,7 +233,7 @@ void QMatrix::argmax_one_row(const KernelTable* k, const float* x, float* y) {
   g_chunk_bad.assign(static_cast<size_t>(ng), 0);
   g_group_high.resize(static_cast<size_t>(ng));
   parallel_for(ng, kMatmulGrain, [&](int64_t g0, int64_t g1, int) {
-    k->gemm_coarse(cw, a, 1, y, g0, g1);  // hi's coarse product
+    k->gemm_coarse(cw, a, y, g0, g1);  // hi's coarse product
     const int64_t r0 = g0 * kGroupRows, r1 = std::min(g1 * kGroupRows, rows);
     bool bad = false;
     g_chunk_top[g0] = k->argmax_bounds(y + r0, coarse_bounds_.data() + r0, c, whole + r0, c2, r1 - r0,

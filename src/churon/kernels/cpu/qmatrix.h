@@ -56,7 +56,7 @@ class QMatrix {
   int64_t nbytes_ = 0;
   std::vector<float> row_norms_;
   WeightMemory coarse_;               // prepare_argmax's copy
-  std::vector<float> coarse_bounds_;  // per row: how far its coarse product may lie from the precise one, per unit of x
+  std::vector<float> coarse_bounds_;  // per row: its coarse product's distance from the precise one, per unit of |hi|
 };
 
 // Matrices of different types stacked by rows, [sum of their rows, cols] (llama.cpp's Q4_K_M puts a
