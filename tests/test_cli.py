@@ -76,21 +76,20 @@ def test_inspect_reports_structure_and_memory(tiny_llama_q8):
 
 
 def test_inspect_counts_the_greedy_logits_copy(tiny_llama_q8, monkeypatch, capsys):
-    # a Q8_0 output matrix of NativeBackend.COARSE_ARGMAX_BYTES or more gets a coarse copy at load: inspect says how
-    # much memory it adds, what loading the model adds (the tiny model's matrix is small: the threshold lowered to 0)
+    # a Q8_0 output matrix of native_backend.COARSE_ARGMAX_BYTES or more gets a coarse copy when generating: inspect says
+    # how much memory it adds, what starting to generate adds (the tiny model's matrix is small: the threshold lowered)
     from churon import cli
-    from churon.loader import load_model
-    from churon.model.native_backend import NativeBackend
+    from churon.model import native_backend
 
     assert "greedy logits copy" not in churon("inspect", tiny_llama_q8).stdout
-    plain = load_model(tiny_llama_q8)[0]
-    monkeypatch.setattr(NativeBackend, "COARSE_ARGMAX_BYTES", 0)
+    plain = LLM(str(tiny_llama_q8), threads=1).model.weight_bytes()
+    monkeypatch.setattr(native_backend, "COARSE_ARGMAX_BYTES", 0)
     assert cli.main(["inspect", str(tiny_llama_q8)]) == 0
     line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("greedy logits copy"))
-    coarse = load_model(tiny_llama_q8)[0]
-    if "coarse" not in getattr(coarse.lm_head, "layout", ""):
+    llm = LLM(str(tiny_llama_q8), threads=1)
+    if "coarse" not in getattr(llm.model.lm_head, "layout", ""):
         pytest.skip("no coarse argmax kernel here (native backend with AVX-512)")
-    added = coarse.weight_bytes() - plain.weight_bytes()
+    added = llm.model.weight_bytes() - plain
     assert added > 0 and f"{added / 1024:.1f} KiB more at run time" in line, (line, added)
 
 

@@ -158,22 +158,27 @@ def test_memory_planner_says_what_fits(model_and_tokenizer):
 
 
 def test_one_row_greedy_steps_read_the_coarse_copy(tmp_path, monkeypatch):
-    # a large Q8_0 output matrix gets a 6-bit coarse copy (NativeBackend.prepare_argmax, counted in the weights'
-    # bytes); a greedy request decoding alone reads it, and its tokens are those without it (a tiny model here, the
-    # size threshold lowered to 0)
-    from churon.model.native_backend import NativeBackend
+    # a generation engine asks its model for a coarse copy of a large Q8_0 output matrix (NativeBackend.prepare_argmax)
+    # before planning memory, which counts it; a greedy request decoding alone reads it, and its tokens are those
+    # without it (a tiny model here, the size threshold lowered to 0)
+    from churon.model import native_backend
 
     path = write_gguf(make_hf_model("llama", tmp_path / "hf"), tmp_path / "m.gguf", "Q8_0")
+    ps = prompts(4, seed=9)
     plain, tokenizer, _ = load_model(path)
-    monkeypatch.setattr(NativeBackend, "COARSE_ARGMAX_BYTES", 0)
+    want = [LLMEngine(plain, tokenizer, EngineConfig(kv_cache_memory=4 << 20)).generate([p], GREEDY)[0] for p in ps]
+    assert "coarse" not in getattr(plain.lm_head, "layout", "")  # below the threshold: none
+    monkeypatch.setattr(native_backend, "COARSE_ARGMAX_BYTES", 0)
     coarse, _, _ = load_model(path)
+    assert "coarse" not in getattr(coarse.lm_head, "layout", "")  # loading alone builds none (an embedder's load)
+    engine = LLMEngine(coarse, tokenizer, EngineConfig(kv_cache_memory=4 << 20))
     if "coarse" not in getattr(coarse.lm_head, "layout", ""):
         pytest.skip("no coarse argmax kernel here (native backend with AVX-512)")
-    assert "coarse" not in plain.lm_head.layout and coarse.weight_bytes() > plain.weight_bytes()
-    for p in prompts(4, seed=9):
-        want = LLMEngine(plain, tokenizer, EngineConfig(kv_cache_memory=4 << 20)).generate([p], GREEDY)[0]
+    assert coarse.weight_bytes() > plain.weight_bytes()
+    assert engine.memory_plan.weight_bytes == coarse.weight_bytes()
+    for p, w in zip(ps, want):
         got = LLMEngine(coarse, tokenizer, EngineConfig(kv_cache_memory=4 << 20)).generate([p], GREEDY)[0]
-        assert got.token_ids == want.token_ids
+        assert got.token_ids == w.token_ids
 
 
 def test_logits_rows_read_for_their_argmax_alone(model_and_tokenizer, monkeypatch):

@@ -370,6 +370,21 @@ def test_a_preloaded_model_is_served_beside_the_store_and_kept(home, files):
 # --- the memory plan of a share ------------------------------------------------------------------
 
 
+def test_the_catalog_weighs_the_greedy_logits_copy(files, monkeypatch):
+    # a text model whose Q8_0 output matrix gets a coarse copy once it generates (native kernels) is weighed with it;
+    # on the reference kernels, or as an embedder, without (the tiny model's matrix is small: the threshold lowered)
+    from churon.model import native_backend
+
+    def plan(**options):
+        return ModelCatalog(1 << 40, threads=1, engine_options=OPTIONS, **options).plan("b", files["b"])
+
+    before = plan()
+    monkeypatch.setattr(native_backend, "COARSE_ARGMAX_BYTES", 0)
+    copy = native_backend.coarse_copy_bytes(open_model(files["b"], pull=False))
+    assert copy > 0 and plan().resident_bytes == before.resident_bytes + copy
+    assert plan(kernels="reference").resident_bytes == before.resident_bytes
+
+
 def test_plan_share_gives_the_kv_cache_what_the_weights_leave_within_bounds(files):
     config = open_model(files["a"], pull=False).config
     engine = EngineConfig(max_num_seqs=2)

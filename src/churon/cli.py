@@ -471,18 +471,6 @@ def _bytes(n: float) -> str:
         n /= 1024
 
 
-def _coarse_logits_bytes(m) -> int:
-    """What NativeBackend.prepare_argmax adds for this GGUF's output matrix: 416 bytes (kCoarseUnitBytes) per 544 of
-    a Q8_0 matrix of COARSE_ARGMAX_BYTES or more; 0 otherwise."""
-    from churon.model.native_backend import NativeBackend
-
-    name = "token_embd.weight" if m.config.tie_word_embeddings else "output.weight"
-    out = next((t for t in m.tensors if t.name == name), None)
-    if out is None or out.dtype != "Q8_0" or out.n_bytes < NativeBackend.COARSE_ARGMAX_BYTES:
-        return 0
-    return out.n_bytes // 544 * 416
-
-
 def _bytes_by_type(m) -> Counter:
     by_type = Counter()
     for t in m.tensors:
@@ -519,6 +507,7 @@ def cmd_inspect(args) -> int:
     from churon.loader import open_model
     from churon.engine.memory import plan_memory
     from churon.formats.lora import is_lora_adapter
+    from churon.model.native_backend import coarse_copy_bytes
 
     given = Path(args.model).expanduser()
     if given.exists() and is_lora_adapter(given):
@@ -559,7 +548,7 @@ def cmd_inspect(args) -> int:
     per_head = f"{c.head_dim} head dim x {kv_dtype.itemsize} bytes" + (" + a 4-byte scale" if kv_dtype == torch.int8 else "")
     print(f"\nmemory (KV cache in {args.kv_dtype}):")
     print(f"weights                {_bytes(weight_bytes)} in the file")
-    coarse = _coarse_logits_bytes(m)
+    coarse = coarse_copy_bytes(m)
     if coarse:
         print(f"greedy logits copy     {_bytes(coarse)} more at run time (a 6-bit copy of the Q8_0 output matrix, AVX-512)")
     print(f"KV cache per token     {per_token:,} bytes (2 x {c.num_layers} layers x {c.num_kv_heads} KV heads x ({per_head}))")

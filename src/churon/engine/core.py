@@ -77,6 +77,7 @@ class LLMEngine:
         self.model_config = model.config
         self.context_length = min(self.model_config.context_length, self.config.max_model_len or 1 << 62)
         kv_dtype = self.config.kv_torch_dtype(model.kv_dtype)
+        model.prepare_argmax()  # before the plan: it may add to the weights
         self.memory_plan = plan_memory(
             self.model_config, model.weight_bytes(), self.config, self.context_length, kv_dtype
         )

@@ -19,6 +19,7 @@ from churon.kernels.heap import keep_freed_memory
 from churon.formats.gguf import GGUFTensor
 from churon.formats.quants import mxfp4_as_q8_0
 from churon.config import ModelConfig
+from churon.formats.source import ModelSource
 from churon.model.backend import Experts, KVCache, RopeTables
 from churon.model.batch import ForwardBatch
 from churon.model.kv_layout import KVLayout
@@ -34,6 +35,26 @@ def _narrowest_float(t: torch.Tensor) -> tuple[torch.Tensor, GGMLQuantizationTyp
         if torch.equal(narrow.float(), t):
             return narrow, qtype
     return t, GGMLQuantizationType.F32
+
+
+# the smallest output matrix given a coarse copy (NativeBackend.prepare_argmax): below it the matrix tends to stay in
+# cache between steps, where the copy's extra bytes and unpacking cost more than they save (SmolLM2's 30 MB: greedy
+# decoding 285 -> 260 tok/s; Gemma 3's 178 MB: 76 -> 82 tok/s; 2 threads, AMX Xeon with a 480 MB L3)
+COARSE_ARGMAX_BYTES = 64 << 20
+
+
+def coarse_copy_bytes(source: ModelSource) -> int:
+    """What generating with this model file on the native backend adds to its weights' memory at most: the coarse
+    copy of a Q8_0 output matrix of COARSE_ARGMAX_BYTES or more (416 bytes, common.h's kCoarseUnitBytes, for each
+    544 of Q8_0; only where the ISA has its kernel, AVX-512). 0 for other files."""
+    c = source.config
+    if not isinstance(c, ModelConfig) or c.final_logit_softcap:
+        return 0
+    name = "token_embd.weight" if c.tie_word_embeddings else "output.weight"
+    out = next((t for t in source.tensors if t.name == name), None)
+    if out is None or out.dtype != "Q8_0" or out.n_bytes < COARSE_ARGMAX_BYTES:
+        return 0
+    return out.n_bytes // 544 * 416
 
 
 class NativeBackend:
@@ -128,15 +149,10 @@ class NativeBackend:
         w.matmul_argmax(x.data_ptr(), y.data_ptr(), x.shape[0])
         return y
 
-    # the smallest output matrix given a coarse copy: below it the matrix tends to stay in cache between steps, where
-    # the copy's extra bytes and unpacking cost more than they save (SmolLM2's 30 MB: greedy decoding 285 -> 260 tok/s;
-    # Gemma 3's 178 MB: 88 -> 98; 2 threads, AMX Xeon with a 480 MB L3)
-    COARSE_ARGMAX_BYTES = 64 << 20
-
     def prepare_argmax(self, w) -> None:
         """A large Q8_0 logits matrix gets its 6-bit coarse copy (where the ISA has its kernel): one greedy row's
         logits read ~3/4 of its bytes, for ~3/4 more memory."""
-        if isinstance(w, self.cpu.QMatrix) and w.nbytes >= self.COARSE_ARGMAX_BYTES:
+        if isinstance(w, self.cpu.QMatrix) and w.nbytes >= COARSE_ARGMAX_BYTES:
             w.prepare_argmax()
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -210,8 +210,6 @@ class Transformer:
         self.layers = [LayerWeights.build(config, i, weights, b) for i in range(config.num_layers)]
         self.norm = b.vector(weights["norm.weight"])
         self.lm_head = self.embed_tokens if config.tie_word_embeddings else b.matrix(weights["lm_head.weight"])
-        if not config.final_logit_softcap:  # forward_batch's argmax logits (soft-capping never takes them)
-            b.prepare_argmax(self.lm_head)
         self.lora: LoraSlots | None = None  # enable_lora
         # the layer stack as one native call where the backend has one for this model (None: op by op, as
         # DecoderBlock reads; the two are bitwise the same, and a batch with LoRA slots always goes op by op)
@@ -224,6 +222,12 @@ class Transformer:
             raise ValueError(f"LoRA is already enabled on this model ({self.lora.max_loras} slots)")
         self.lora = LoraSlots(self.config, self.backend, max_loras)
         return self.lora
+
+    def prepare_argmax(self) -> None:
+        """Ready forward_batch's argmax logits (Backend.prepare_argmax; soft-capping never takes them): what a
+        generation engine asks before planning memory, since what it builds counts in weight_bytes."""
+        if not self.config.final_logit_softcap:
+            self.backend.prepare_argmax(self.lm_head)
 
     def weight_bytes(self) -> int:
         objects = {id(self.embed_tokens): self.embed_tokens, id(self.lm_head): self.lm_head, id(self.norm): self.norm}

@@ -26,6 +26,7 @@ from churon.config import EncoderConfig, EngineConfig
 from churon.engine.memory import plan_share
 from churon.llm import LLM, check_draft_model
 from churon.loader import DTYPES, open_model
+from churon.model.native_backend import coarse_copy_bytes
 from churon.model_store import CreatedModel, get_model, list_models, resolve
 from churon.registry import REGISTRY, cached_models, registry_entry, resolve_model
 
@@ -99,6 +100,8 @@ class ModelCatalog:
         if task == "embed":
             options = {k: v for k, v in options.items() if k in _EMBED_OPTIONS}
             return LoadPlan(name, model.path, task, created, options, weights)
+        if self.kernels != "reference":  # the native backend's greedy logits copy, built by the generation engine
+            weights += coarse_copy_bytes(model)
         engine = EngineConfig(**options)
         context = min(model.config.context_length, engine.max_model_len or 1 << 62)
         kv_dtype = engine.kv_torch_dtype(DTYPES[self.dtype])  # both backends' default: the activations' dtype
