@@ -23,6 +23,20 @@ std::vector<float> g_chunk_top;
 std::vector<uint8_t> g_chunk_bad;
 std::vector<float> g_group_high;
 
+// the Euclidean norm of activation row i as the kernels multiply it: its codes times their block scales
+double act_norm(const ActQ& a, int64_t i) {
+  double sum = 0;
+  for (int64_t b = 0; b < a.nb; ++b) {
+    double squares = 0;
+    for (int64_t c = 0; c < kActBlock; ++c) {
+      const double v = a.q[i * a.cols + b * kActBlock + c];
+      squares += v * v;
+    }
+    sum += double(a.d[i * a.nb + b]) * a.d[i * a.nb + b] * squares;
+  }
+  return std::sqrt(sum);
+}
+
 // whether a matmul of m rows has work (m < 0 raises)
 bool matmul_rows(int64_t m) {
   if (m < 0) throw std::invalid_argument("matmul: m must be >= 0");
@@ -212,19 +226,7 @@ bool QMatrix::prepare_argmax() {
 void QMatrix::argmax_one_row(const KernelTable* k, const float* x, float* y) {
   const int64_t ng = w_.ngroups, rows = w_.rows, nb = w_.cols / kActBlock;
   const ActQ a = quantize_split(k, x, 1);  // row 0 hi, row 1 lo
-  double norm[2] = {};
-  for (int i = 0; i < 2; ++i) {
-    for (int64_t b = 0; b < nb; ++b) {
-      double squares = 0;
-      for (int64_t c = 0; c < kActBlock; ++c) {
-        const double v = a.q[i * w_.cols + b * kActBlock + c];
-        squares += v * v;
-      }
-      norm[i] += double(a.d[i * nb + b]) * a.d[i * nb + b] * squares;
-    }
-    norm[i] = std::sqrt(norm[i]);
-  }
-  const float c = float(norm[0] * (1 + 0x1p-20)), c2 = float(norm[1] * (1 + double(nb + 8) * 0x1p-22));
+  const float c = float(act_norm(a, 0) * (1 + 0x1p-20)), c2 = float(act_norm(a, 1) * (1 + double(nb + 8) * 0x1p-22));
   const float* whole = row_norms().data();
   QWeights cw = w_;
   cw.data = coarse_.data();
@@ -281,18 +283,7 @@ void QMatrix::matmul_argmax(uintptr_t xp, uintptr_t yp, int64_t m) {
   // multiplies), and the kernel's float sum over blocks errs by less than (nb + 2) ulps of the sum of the blocks'
   // magnitudes, itself within |lo_i| |w_r|: c[i] is |lo_i| widened for that and for these bounds' own rounding.
   std::vector<float> c(static_cast<size_t>(m));
-  for (int64_t i = 0; i < m; ++i) {
-    double sum = 0;
-    for (int64_t b = 0; b < nb; ++b) {
-      double squares = 0;
-      for (int64_t k2 = 0; k2 < kActBlock; ++k2) {
-        const double v = lo.q[i * w_.cols + b * kActBlock + k2];
-        squares += v * v;
-      }
-      sum += double(lo.d[i * nb + b]) * lo.d[i * nb + b] * squares;
-    }
-    c[i] = float(std::sqrt(sum) * (1 + double(nb + 8) * 0x1p-22));
-  }
+  for (int64_t i = 0; i < m; ++i) c[i] = float(act_norm(lo, i) * (1 + double(nb + 8) * 0x1p-22));
   // the hi products, straight into y; per row and per parallel_for chunk (at its first group) the most the chunk's
   // values are sure to reach and whether some hi value is not finite, and per group the most its values may reach
   g_chunk_top.assign(static_cast<size_t>(m * ng), -INFINITY);
