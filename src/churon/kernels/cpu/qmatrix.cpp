@@ -148,28 +148,30 @@ void QMatrix::matmul(uintptr_t xp, uintptr_t yp, int64_t m, uintptr_t biasp, boo
 const std::vector<float>& QMatrix::row_norms() {
   if (!row_norms_.empty()) return row_norms_;
   // Q8_0 in x16 units: 512 bytes of codes (+128; byte 64 j + 4 n + t: row n, column 4 j + t), then the 16 rows'
-  // float16 scales
+  // float16 scales; a group's rows on one thread (the first batched greedy step, or prepare_argmax, waits for it)
   std::vector<float> norms(static_cast<size_t>(w_.ngroups * kGroupRows), 0.0f);
-  for (int64_t g = 0; g < w_.ngroups; ++g) {
-    double sum[kGroupRows] = {};
-    for (int64_t u = 0; u < w_.nunits; ++u) {
-      const uint8_t* p = w_.data + g * w_.group_bytes + u * w_.unit_bytes;
-      int64_t squares[kGroupRows] = {};
-      for (int j = 0; j < 8; ++j)
-        for (int n = 0; n < kGroupRows; ++n)
-          for (int t = 0; t < 4; ++t) {
-            const int v = int(p[64 * j + 4 * n + t]) - 128;
-            squares[n] += v * v;
-          }
-      for (int n = 0; n < kGroupRows; ++n) {
-        uint16_t h;
-        std::memcpy(&h, p + 512 + 2 * n, 2);
-        const double d = fp16_to_fp32(h);
-        sum[n] += d * d * double(squares[n]);
+  parallel_for(w_.ngroups, 16, [&](int64_t g0, int64_t g1, int) {
+    for (int64_t g = g0; g < g1; ++g) {
+      double sum[kGroupRows] = {};
+      for (int64_t u = 0; u < w_.nunits; ++u) {
+        const uint8_t* p = w_.data + g * w_.group_bytes + u * w_.unit_bytes;
+        int64_t squares[kGroupRows] = {};
+        for (int j = 0; j < 8; ++j)
+          for (int n = 0; n < kGroupRows; ++n)
+            for (int t = 0; t < 4; ++t) {
+              const int v = int(p[64 * j + 4 * n + t]) - 128;
+              squares[n] += v * v;
+            }
+        for (int n = 0; n < kGroupRows; ++n) {
+          uint16_t h;
+          std::memcpy(&h, p + 512 + 2 * n, 2);
+          const double d = fp16_to_fp32(h);
+          sum[n] += d * d * double(squares[n]);
+        }
       }
+      for (int n = 0; n < kGroupRows; ++n) norms[g * kGroupRows + n] = float(std::sqrt(sum[n]) * (1 + 0x1p-20));
     }
-    for (int n = 0; n < kGroupRows; ++n) norms[g * kGroupRows + n] = float(std::sqrt(sum[n]) * (1 + 0x1p-20));
-  }
+  });
   row_norms_ = std::move(norms);
   return row_norms_;
 }
