@@ -152,10 +152,11 @@ PYBIND11_MODULE(_cpu, m) {
            " bits (x = hi + lo, each quantized to 8 bits, one matmul of 2m rows: the same weight traffic,"
            " about twice the compute); no effect for float weights.")
       .def("matmul_argmax", &QMatrix::matmul_argmax, py::arg("x_ptr"), py::arg("y_ptr"), py::arg("m"),
-           "y[m, rows]: matmul(precise=True)'s values where one may be its row's maximum, matmul(precise=False)'s"
-           " where it is sure to lie below another; each row's first maximum (greedy decoding's token) is the"
-           " precise product's. Q8_0 weights from 2 rows run the lo part only for the row groups that may hold the"
-           " maximum; otherwise the precise matmul.")
+           "y[m, rows]: matmul(precise=True)'s values where one may be its row's maximum, less precise ones where"
+           " they are sure to lie below it; each row's first maximum (greedy decoding's token) is the precise"
+           " product's. Q8_0 weights from 2 rows: matmul(precise=False)'s values, the lo part only for the row groups"
+           " that may hold the maximum; one row, after prepare_argmax: the coarse copy's values, the precise product"
+           " only for those groups; otherwise the precise matmul.")
       .def("prepare_argmax", &QMatrix::prepare_argmax,
            "Builds the coarse copy (6 of each code's 8 bits, nbytes grows by ~3/4) from which matmul_argmax takes one"
            " row's values; True where it did (Q8_0 weights, an ISA with its kernel: AVX-512), False elsewhere.")
