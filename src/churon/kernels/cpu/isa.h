@@ -18,10 +18,11 @@ void set_isa(const std::string& name);
 // the kernels of the ISA chosen now
 const KernelTable* kt();
 
-// Whether a quantized matmul prefetches its weight groups 4 ahead into L2 at every row count: on
-// Intel CPUs, whose L3 the hardware prefetchers alone serve slowly to one core (a SmolLM2 decode step
-// reads its 50 MB from the Xeon's L3); elsewhere only with many rows, the next group (on AMD EPYC Zen 4 a
-// prefetch for a few rows was slower). Decided once at import; never changes a result.
+// Whether a quantized matmul prefetches its weights into L2 8 KiB ahead of its read (kernels.cpp, ReadAhead)
+// at every row count: on Intel CPUs, whose L3 and memory the hardware prefetchers alone serve slowly to one
+// core (a SmolLM2 decode step reads its 50 MB from the Xeon's L3); elsewhere only with many rows, the next
+// group (on AMD EPYC Zen 4 a prefetch for a few rows was slower). Decided once at import; never changes a
+// result.
 bool prefetch_weights_ahead();
 
 // The kernels of the AMX-BF16 tiles (KernelTable::gemm_bf16_tiles, attn_packed_bf16_tiles): the amx table when

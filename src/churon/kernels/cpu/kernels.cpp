@@ -230,8 +230,26 @@ void quantize_act(const float* x, int64_t m0, int64_t m1, const ActQ& a) {
 }
 
 // ===========================================================================
-// Quantized matmul: run_tile<QT, T>(w, a, g, m0, y, bias) computes the 16 rows of group g for
+// Quantized matmul: run_tile<QT, T>(w, a, g, m0, y, bias, ra) computes the 16 rows of group g for
 // activation rows m0 .. m0 + T - 1, T <= kMaxTile; the tiles are each ISA's own.
+
+// One thread's software prefetch into L2, kReadAheadBytes ahead of its sequential read of a matrix's weights, a
+// few lines each time the read moves on (upto, from the tiles' loops). On the AMX Xeon this was measured on, the
+// hardware prefetchers alone, or a burst of a whole group's lines 4 groups ahead, fed a decode step's matmuls at
+// 17-23 GB/s; this at 30-37 GB/s (Gemma 3's coarse logits copy, 136 MB: 5.9 -> 3.7 ms; 4 KiB ahead 4.2 ms,
+// 16 KiB 4.0, 32 KiB 4.1). A burst of ~130 prefetches seems to stall on the core's few fill buffers.
+constexpr int64_t kReadAheadBytes = 8192;
+struct ReadAhead {
+  const uint8_t* next;  // the first byte not yet asked for
+  const uint8_t* end;   // the weights' end: nothing past it is asked for
+  ReadAhead(const uint8_t* from, const uint8_t* end_)
+      : next(end_ - from > kReadAheadBytes ? from + kReadAheadBytes : end_), end(end_) {}
+  // every line before kReadAheadBytes past p, the end of what the caller reads now
+  void upto(const uint8_t* p) {
+    const uint8_t* want = end - p > kReadAheadBytes ? p + kReadAheadBytes : end;
+    for (; next < want; next += 64) __builtin_prefetch(next, 0, 2);  // prefetcht1: into L2
+  }
+};
 
 #if defined(K_AMX)
 #include "matmul_avx512.inc"
@@ -250,12 +268,12 @@ void quantize_act(const float* x, int64_t m0, int64_t m1, const ActQ& a) {
 // run_tile<QT, rest> for rest in 1 .. T (nothing for 0)
 template <int QT, int T>
 inline void run_tile_upto(int64_t rest, const QWeights& w, const ActQ& a, int64_t g, int64_t m0, float* y,
-                          const float* bias) {
+                          const float* bias, ReadAhead* ra) {
   if constexpr (T >= 1) {
     if (rest == T)
-      run_tile<QT, T>(w, a, g, m0, y, bias);
+      run_tile<QT, T>(w, a, g, m0, y, bias, ra);
     else
-      run_tile_upto<QT, T - 1>(rest, w, a, g, m0, y, bias);
+      run_tile_upto<QT, T - 1>(rest, w, a, g, m0, y, bias, ra);
   }
 }
 
@@ -269,22 +287,13 @@ void gemm_q(const QWeights& w, const ActQ& a, int64_t m, float* y, const float* 
   if (m >= kAmxMinRows && gemm_amx<QT>(w, a, m / 16 * 16, y, bias, g0, g1)) first = m / 16 * 16;
   if (first == m) return;
 #endif
-#if defined(K_SIMD)
-  const bool ahead4 = prefetch_weights_ahead();
-#endif
+  // Intel (isa.h): the weights read ahead, whatever m (SmolLM2's decode, amx copy: 274 -> 345 tok/s; Gemma 3's
+  // 82-89 -> 101-112). A thread's claims are contiguous (threadpool.h), so each goes on from where the last stopped.
+  ReadAhead ahead(w.data + g0 * w.group_bytes, w.data + w.ngroups * w.group_bytes);
+  ReadAhead* ra = prefetch_weights_ahead() ? &ahead : nullptr;
   for (int64_t g = g0; g < g1; ++g) {
 #if defined(K_SIMD)
-    if (ahead4) {
-      // The group 4 ahead into L2, whatever m (Intel: isa.h). On the AMX Xeon this was measured on, a decode
-      // step's weights (SmolLM2: 50 MB) come from its L3, which the hardware prefetchers alone delivered at
-      // ~17 GB/s: SmolLM2's decode went from 153-159 to 162-167 tok/s on the amx copy (four interleaved rounds;
-      // 4 ahead was the best of 1, 2 and 4, and the claim grain, 2 to 8 groups, changed nothing), and from
-      // 252-269 to 289-310 on the avx512 copy (three interleaved rounds).
-      if (g + 4 < w.ngroups) {
-        const uint8_t* ahead = w.data + (g + 4) * w.group_bytes;
-        for (int64_t off = 0; off < w.group_bytes; off += 64) simd::prefetch_l2(ahead + off);
-      }
-    } else if (m - first > kMaxTile && g + 1 < w.ngroups) {
+    if (!ra && m - first > kMaxTile && g + 1 < w.ngroups) {
       // many activation rows: the group's tiles take long enough to fetch the next group's weights
       // meanwhile, which would otherwise stall the first tile on memory (for a few rows, on the AMD EPYC
       // Zen 4 this was measured on, a software prefetch here was slower)
@@ -293,8 +302,9 @@ void gemm_q(const QWeights& w, const ActQ& a, int64_t m, float* y, const float* 
     }
 #endif
     int64_t m0 = first;
-    for (; m0 + kMaxTile <= m; m0 += kMaxTile) run_tile<QT, kMaxTile>(w, a, g, m0, y, bias);
-    run_tile_upto<QT, kMaxTile - 1>(m - m0, w, a, g, m0, y, bias);
+    ReadAhead* r = ra;  // the group's first tile reads it from memory, the others from L1 / L2
+    for (; m0 + kMaxTile <= m; m0 += kMaxTile, r = nullptr) run_tile<QT, kMaxTile>(w, a, g, m0, y, bias, r);
+    run_tile_upto<QT, kMaxTile - 1>(m - m0, w, a, g, m0, y, bias, r);
   }
 }
 

@@ -57,7 +57,7 @@ PYBIND11_MODULE(_cpu, m) {
   m.def("isa", [] { return std::string(kt()->name); }, "The ISA whose kernels run now.");
   m.def("available_isas", &available_isas, "ISAs compiled in and supported by this CPU, best first.");
   m.def("prefetch_weights_ahead", &prefetch_weights_ahead,
-        "Whether quantized matmuls prefetch weight groups 4 ahead at every row count (Intel CPUs).");
+        "Whether quantized matmuls prefetch their weights 8 KiB ahead at every row count (Intel CPUs).");
   m.def("set_isa", &set_isa, py::arg("name"), "Switch every kernel to one ISA ('avx512', 'avx2', 'scalar').");
   m.def("set_num_threads", &churon::set_num_threads, py::arg("n"), "Threads used by the kernels, caller included.");
   m.def("get_num_threads", &churon::get_num_threads);
