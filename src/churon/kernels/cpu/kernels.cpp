@@ -397,7 +397,11 @@ void gemm_f(const QWeights& w, const float* x, int64_t m, float* y, const float*
   const int64_t block = imax<int64_t>(kFloatTile, kFloatBlockBytes / (4 * w.cols) / kFloatTile * kFloatTile);
   for (int64_t b0 = 0; b0 < m; b0 += block) {
     const int64_t b1 = imin(m, b0 + block);
+    // as gemm_q; every block of activation rows reads the weight rows again
+    ReadAhead ahead(w.data + g0 * kGroupRows * w.unit_bytes, w.data + w.rows * w.unit_bytes);
+    ReadAhead* ra = prefetch_weights_ahead() ? &ahead : nullptr;
     for (int64_t r = g0 * kGroupRows; r < r1; ++r) {
+      if (ra) ra->upto(w.data + (r + 1) * w.unit_bytes);
       int64_t m0 = b0;
       for (; m0 + kFloatTile <= b1; m0 += kFloatTile) float_rows<QT, kFloatTile>(w, x, m0, y, bias, r);
       for (; m0 < b1; ++m0) float_rows<QT, 1>(w, x, m0, y, bias, r);
