@@ -58,6 +58,8 @@ PYBIND11_MODULE(_cpu, m) {
   m.def("available_isas", &available_isas, "ISAs compiled in and supported by this CPU, best first.");
   m.def("prefetch_weights_ahead", &prefetch_weights_ahead,
         "Whether quantized matmuls prefetch their weights 8 KiB ahead at every row count (Intel CPUs).");
+  m.def("coarse_argmax", [] { return kt()->gemm_coarse != nullptr; },
+        "Whether the ISA chosen now has the coarse kernel QMatrix.prepare_argmax builds a copy for (AVX-512).");
   m.def("set_isa", &set_isa, py::arg("name"), "Switch every kernel to one ISA ('avx512', 'avx2', 'scalar').");
   m.def("set_num_threads", &churon::set_num_threads, py::arg("n"), "Threads used by the kernels, caller included.");
   m.def("get_num_threads", &churon::get_num_threads);
