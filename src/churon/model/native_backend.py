@@ -48,7 +48,9 @@ def coarse_copy_bytes(source: ModelSource) -> int:
     copy of a Q8_0 output matrix of COARSE_ARGMAX_BYTES or more (416 bytes, common.h's kCoarseUnitBytes, for each
     544 of Q8_0; only where the ISA chosen now has its kernel, AVX-512). 0 for other files and ISAs."""
     c = source.config
-    if not isinstance(c, ModelConfig) or c.final_logit_softcap or kernels.cpu is None or not kernels.cpu.coarse_argmax():
+    if not isinstance(c, ModelConfig) or c.final_logit_softcap:
+        return 0
+    if kernels.cpu is None or not kernels.cpu.coarse_argmax():  # no kernel to read a copy: none is built
         return 0
     name = "token_embd.weight" if c.tie_word_embeddings else "output.weight"
     out = next((t for t in source.tensors if t.name == name), None)
