@@ -11,10 +11,12 @@ import subprocess
 import sys
 import threading
 import time
+from types import SimpleNamespace
 
 import httpx2 as httpx
 import pytest
 import torch
+from gguf import GGMLQuantizationType
 from test_server import free_port, loaded_client, stop_server
 from tiny_models import make_hf_model, write_gguf
 
@@ -22,6 +24,7 @@ from churon import LLM, SamplingParams, kernels
 from churon.config import EngineConfig
 from churon.engine.kv_cache import kv_bytes_per_token
 from churon.engine.memory import MemoryPlan, activation_bytes, plan_share
+from churon.formats.tensor_info import TensorInfo
 from churon.loader import open_model
 from churon.server import create_app
 from churon.server.catalog import ModelCatalog
@@ -392,6 +395,16 @@ def test_the_catalog_weighs_the_greedy_logits_copy(files, monkeypatch):
             assert (copy > 0) == cpu.coarse_argmax() == (isa in ("avx512", "amx")), isa
             assert plan().resident_bytes == before.resident_bytes + copy, isa
             assert plan(kernels="reference").resident_bytes == before.resident_bytes
+            if cpu.coarse_argmax():  # an output matrix of rows not a multiple of 16: the last group's copy is padded
+                rows, cols = 16 * 70 + 5, 64
+                n_bytes = rows * cols // 32 * 34
+                matrix = cpu.QMatrix(bytes(n_bytes), int(GGMLQuantizationType.Q8_0), rows, cols)
+                size = matrix.nbytes
+                assert matrix.prepare_argmax()
+                source = open_model(files["b"], pull=False)
+                name = "token_embd.weight" if source.config.tie_word_embeddings else "output.weight"
+                odd = SimpleNamespace(config=source.config, tensors=[TensorInfo(name, (rows, cols), "Q8_0", n_bytes)])
+                assert native_backend.coarse_copy_bytes(odd) == matrix.nbytes - size
         finally:
             cpu.set_isa(was)
 

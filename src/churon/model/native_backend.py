@@ -44,9 +44,9 @@ COARSE_ARGMAX_BYTES = 64 << 20
 
 
 def coarse_copy_bytes(source: ModelSource) -> int:
-    """What generating with this model file on the native backend adds to its weights' memory at most: the coarse
-    copy of a Q8_0 output matrix of COARSE_ARGMAX_BYTES or more (416 bytes, common.h's kCoarseUnitBytes, for each
-    544 of Q8_0; only where the ISA chosen now has its kernel, AVX-512). 0 for other files and ISAs."""
+    """What generating with this model file on the native backend adds to its weights' memory: the coarse copy
+    of a Q8_0 output matrix of COARSE_ARGMAX_BYTES or more (cpu.coarse_unit_bytes for each 16 rows, the last group
+    padded, by 32 columns; only where the ISA chosen now has its kernel, AVX-512). 0 for other files and ISAs."""
     c = source.config
     if not isinstance(c, ModelConfig) or c.final_logit_softcap:
         return 0
@@ -56,7 +56,8 @@ def coarse_copy_bytes(source: ModelSource) -> int:
     out = next((t for t in source.tensors if t.name == name), None)
     if out is None or out.dtype != "Q8_0" or out.n_bytes < COARSE_ARGMAX_BYTES:
         return 0
-    return out.n_bytes // 544 * 416
+    rows, cols = out.shape
+    return -(-rows // 16) * (cols // 32) * kernels.cpu.coarse_unit_bytes
 
 
 class NativeBackend:

@@ -53,6 +53,7 @@ PYBIND11_MODULE(_cpu, m) {
   using namespace churon;
   m.doc() = "churon native CPU kernels (see src/churon/kernels/cpu/common.h for layouts)";
   m.attr("isa_error") = init_isa();  // non-empty when CHURON_ISA named an ISA that cannot run
+  m.attr("coarse_unit_bytes") = kCoarseUnitBytes;  // prepare_argmax's copy: bytes a 16-row group x 32 columns
 
   m.def("isa", [] { return std::string(kt()->name); }, "The ISA whose kernels run now.");
   m.def("available_isas", &available_isas, "ISAs compiled in and supported by this CPU, best first.");
