@@ -405,6 +405,8 @@ def test_the_catalog_weighs_the_greedy_logits_copy(files, monkeypatch):
                 name = "token_embd.weight" if source.config.tie_word_embeddings else "output.weight"
                 odd = SimpleNamespace(config=source.config, tensors=[TensorInfo(name, (rows, cols), "Q8_0", n_bytes)])
                 assert native_backend.coarse_copy_bytes(odd) == matrix.nbytes - size
+                flat = SimpleNamespace(config=source.config, tensors=[TensorInfo(name, (rows * cols,), "Q8_0", n_bytes)])
+                assert native_backend.coarse_copy_bytes(flat) == 0  # a lying file: no crash here, no copy counted
         finally:
             cpu.set_isa(was)
 

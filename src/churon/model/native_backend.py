@@ -54,8 +54,8 @@ def coarse_copy_bytes(source: ModelSource) -> int:
         return 0
     name = "token_embd.weight" if c.tie_word_embeddings else "output.weight"
     out = next((t for t in source.tensors if t.name == name), None)
-    if out is None or out.dtype != "Q8_0" or out.n_bytes < COARSE_ARGMAX_BYTES:
-        return 0
+    if out is None or out.dtype != "Q8_0" or out.n_bytes < COARSE_ARGMAX_BYTES or len(out.shape) != 2:
+        return 0  # (a matrix of another shape is the loader's error to give)
     rows, cols = out.shape
     return -(-rows // 16) * (cols // 32) * kernels.cpu.coarse_unit_bytes
 
