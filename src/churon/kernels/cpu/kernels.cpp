@@ -709,7 +709,8 @@ inline void axpy(float* y, float a, const float* x, int64_t n) {
 }
 
 // Attention, partial pass. A task is one partition (part_tokens consecutive positions) of
-// one sequence, for all heads: it reads that stretch of the cache once, front to back. It
+// one group of rows (common.h), for the query heads of one KV head: it reads that KV head's part of
+// the stretch of the cache once, front to back. It
 // leaves per head the unnormalized output o = sum_t exp(s_t - max) v_t, the max and the sum;
 // attn_combine merges the partitions in order. Partition bounds depend only on the position,
 // so a sequence's result never depends on the batch it is in or on the thread count.
@@ -778,8 +779,8 @@ inline const float* kv_row_f32(const AttnArgs& a, const void* cache, const float
 }
 
 // any head_dim: dot / axpy helpers, the output accumulated in scratch; positions [s0, s1) of the
-// partition, those the row reads
-void attn_part_generic(const AttnArgs& a, int64_t seq, int64_t part, float* scores, float* acc) {
+// partition, those the row reads; the query heads of KV head kvh
+void attn_part_generic(const AttnArgs& a, int64_t seq, int64_t part, int64_t kvh, float* scores, float* acc) {
   float* tmp = acc + a.head_dim;  // one converted cache row
   const int64_t G = a.num_heads / a.num_kv_heads;
   const int64_t hd = a.head_dim;
@@ -792,17 +793,11 @@ void attn_part_generic(const AttnArgs& a, int64_t seq, int64_t part, float* scor
   int64_t rows[kMaxPartTokens];
   part_rows(a, bt, s0, n, rows);
   for (int64_t t = s0; t < s1; ++t) {
-    for (int64_t kvh = 0; kvh < a.num_kv_heads; ++kvh) {
-      const float* kr = kv_row_f32(a, a.k_cache, a.k_scale, rows[t - s0] + kvh * hd, hd, tmp);
-      for (int64_t g = 0; g < G; ++g) {
-        const int64_t h = kvh * G + g;
-        scores[h * P + (t - s0)] = dot(q + h * hd, kr, hd) * a.scale;
-      }
-    }
+    const float* kr = kv_row_f32(a, a.k_cache, a.k_scale, rows[t - s0] + kvh * hd, hd, tmp);
+    for (int64_t h = kvh * G; h < kvh * G + G; ++h) scores[h * P + (t - s0)] = dot(q + h * hd, kr, hd) * a.scale;
   }
-  for (int64_t h = 0; h < a.num_heads; ++h) head_softmax(a, seq, h, part, scores + h * P, n);
-  for (int64_t h = 0; h < a.num_heads; ++h) {
-    const int64_t kvh = h / G;
+  for (int64_t h = kvh * G; h < kvh * G + G; ++h) head_softmax(a, seq, h, part, scores + h * P, n);
+  for (int64_t h = kvh * G; h < kvh * G + G; ++h) {
     for (int64_t i = 0; i < hd; ++i) acc[i] = 0.0f;
     for (int64_t t = s0; t < s1; ++t)
       axpy(acc, scores[h * P + (t - s0)], kv_row_f32(a, a.v_cache, a.v_scale, rows[t - s0] + kvh * hd, hd, tmp), hd);
@@ -812,17 +807,18 @@ void attn_part_generic(const AttnArgs& a, int64_t seq, int64_t part, float* scor
 
 void attn_partial(const AttnArgs& a, int64_t t0, int64_t t1, float* scratch) {
   for (int64_t task = t0; task < t1; ++task) {
-    const int64_t g = task / a.max_parts, part = task % a.max_parts;
+    const int64_t kvh = task % a.num_kv_heads, g = task / a.num_kv_heads / a.max_parts,
+                  part = task / a.num_kv_heads % a.max_parts;
     // outside the positions the group reads: past its longest row, or before every row's window
     // (a window's work is O(window), whatever the context)
     if (part * a.part_tokens >= a.group_span[2 * g + 1] || (part + 1) * a.part_tokens <= a.group_span[2 * g])
       continue;
 #if defined(K_AVX512)
-    if (attn_group_avx512(a, g, part, scratch)) continue;
+    if (attn_group_avx512(a, g, part, kvh, scratch)) continue;
 #endif
     float* scores = scratch;                             // [num_heads][part_tokens]
     float* acc = scratch + a.num_heads * a.part_tokens;  // [2][head_dim]
-    for (int64_t seq = a.groups[g]; seq < a.groups[g + 1]; ++seq) attn_part_generic(a, seq, part, scores, acc);
+    for (int64_t seq = a.groups[g]; seq < a.groups[g + 1]; ++seq) attn_part_generic(a, seq, part, kvh, scores, acc);
   }
 }
 

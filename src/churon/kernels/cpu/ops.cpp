@@ -301,10 +301,10 @@ void attention_decode(uintptr_t qp, uintptr_t kp, uintptr_t vp, uintptr_t btp, u
   a.partial = reinterpret_cast<float*>(g_attn_buf.p);
   float* scratch = a.partial + (partial_floats + 15) / 16 * 16;
   const KernelTable* k = kt();
-  const int64_t ntasks = a.num_groups * a.max_parts;
+  const int64_t ntasks = a.num_groups * a.max_parts * num_kv_heads;
   parallel_for(ntasks, 1, [&](int64_t b, int64_t e, int tid) { k->attn_partial(a, b, e, scratch + tid * per_thread); });
   const int64_t nout = num_seqs * num_heads;
-  if (nout * head_dim >= kParallelElems)
+  if (nout * a.max_parts * head_dim >= kParallelElems)  // the partials it reads: a verification's 9 rows at 700 tokens
     parallel_for(nout, chunk_for(nout), [&](int64_t b, int64_t e, int) { k->attn_combine(a, b, e); });
   else
     k->attn_combine(a, 0, nout);
