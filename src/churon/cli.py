@@ -58,7 +58,7 @@ def _add_speculative_args(p: argparse.ArgumentParser, served: bool = False) -> N
              else "the model")
     p.add_argument("--speculative", default=None, metavar="ngram|DRAFT_MODEL",
                    help="speculative decoding, the same output in fewer steps, for " + which + ": 'ngram' proposes"
-                        " what followed the latest earlier occurrence of the text's last few tokens (prompt lookup;"
+                        " what followed an earlier occurrence of the text's last few tokens (prompt lookup;"
                         " pays where answers repeat their prompt: code edits, extraction, summaries); anything else"
                         " is a draft model (registry name, .gguf file or HF directory; ./ngram for a file so named)"
                         " with the same vocabulary, loaded as the model is (same --kernels, --dtype, --threads)")

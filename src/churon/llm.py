@@ -44,8 +44,8 @@ class LLM:
     lora_adapters: {"name": path} LoRA adapters (PEFT directories or GGUF adapters) loaded at start; a request
     picks one with SamplingParams(lora="name"). load_lora / unload_lora change them later.
     speculative (an engine option, config.SpeculativeConfig's fields): speculative decoding, the same output in
-    fewer steps. {"method": "ngram", "num_tokens": 4} proposes what followed the text's latest earlier occurrence
-    of its last few tokens (prompt lookup); {"method": "draft", "model": PATH, "num_tokens": 4} has a smaller
+    fewer steps. {"method": "ngram", "num_tokens": 4} proposes what followed an earlier occurrence of the text's
+    last few tokens (prompt lookup); {"method": "draft", "model": PATH, "num_tokens": 4} has a smaller
     model with the same vocabulary propose, loaded as this one (the same kernels, dtype and threads).
     """
 
