@@ -217,6 +217,18 @@ def test_quant_matmul(isa, qtype, m):
     check_quant_matmul(qtype, raw, rows, cols, x, matmul(q, x))
 
 
+@pytest.mark.parametrize("qtype", QUANT_TYPES, ids=lambda t: t.name)
+def test_quant_matmul_wide_rows(isa, qtype):
+    # rows of 16 activation blocks or more: AVX-512 quantizes 16 blocks at a time, then the rest one by one
+    rows, cols = 37, 768 if qtype in K_QUANTS else 32 * 19
+    raw = weight_bytes(qtype, rows, cols)
+    q = cpu.QMatrix(raw, int(qtype), rows, cols)
+    for m in (1, 17):
+        x = activations(m, cols)
+        x[0, 32 * 17 + 5] = 40.0  # one block far larger than the others
+        check_quant_matmul(qtype, raw, rows, cols, x, matmul(q, x))
+
+
 @pytest.mark.parametrize("qtype", FLOAT_TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("m", [1, 5, 17])
 def test_float_matmul(isa, qtype, m):
