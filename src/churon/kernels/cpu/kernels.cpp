@@ -187,14 +187,20 @@ inline __m512 reduce16x(const __m512 (&v)[16], Op op) {
     __m512 t[2];
     for (int h = 0; h < 2; ++h) {
       const __m512 a = v[4 * g + 2 * h], b = v[4 * g + 2 * h + 1];
-      t[h] = op(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));  // 128-bit lane k: a, b, a, b halves
+      // 128-bit lane k: a's lanes 0+2, b's 0+2, a's 1+3, b's 1+3 of that 128 bits
+      t[h] = op(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
     }
     // 128-bit lane k of u[g]: the lane-k reductions of v[4g .. 4g + 3]
-    u[g] = op(_mm512_shuffle_ps(t[0], t[1], _MM_SHUFFLE(1, 0, 1, 0)), _mm512_shuffle_ps(t[0], t[1], _MM_SHUFFLE(3, 2, 3, 2)));
+    u[g] = op(_mm512_shuffle_ps(t[0], t[1], _MM_SHUFFLE(1, 0, 1, 0)),
+              _mm512_shuffle_ps(t[0], t[1], _MM_SHUFFLE(3, 2, 3, 2)));
   }
-  const __m512 w01 = op(_mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(1, 0, 1, 0)), _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 2, 3, 2)));
-  const __m512 w23 = op(_mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(1, 0, 1, 0)), _mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(3, 2, 3, 2)));
-  return op(_mm512_shuffle_f32x4(w01, w23, _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_f32x4(w01, w23, _MM_SHUFFLE(3, 1, 3, 1)));
+  // then across the 128-bit lanes: halves (0 with 2, 1 with 3), then the pairs, v[4g + i] ending in lane 4g + i
+  const __m512 w01 = op(_mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                        _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 w23 = op(_mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                        _mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(3, 2, 3, 2)));
+  return op(_mm512_shuffle_f32x4(w01, w23, _MM_SHUFFLE(2, 0, 2, 0)),
+            _mm512_shuffle_f32x4(w01, w23, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
 // 16 consecutive blocks of one row (x, q at the first; i: its index in d / s / sum32): the per-block code's
@@ -203,10 +209,12 @@ inline __m512 reduce16x(const __m512 (&v)[16], Op op) {
 inline void quantize_16_blocks(const float* x, int8_t* q, int64_t i, const ActQ& a) {
   __m512 am[16];
   for (int j = 0; j < 16; ++j)
-    am[j] = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(x + 32 * j)), _mm512_abs_ps(_mm512_loadu_ps(x + 32 * j + 16)));
+    am[j] = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(x + 32 * j)),
+                          _mm512_abs_ps(_mm512_loadu_ps(x + 32 * j + 16)));
   const __m512 amax = reduce16x(am, [](__m512 p, __m512 r) { return _mm512_max_ps(p, r); });
   const __m512 d = _mm512_div_ps(amax, _mm512_set1_ps(127.0f));
-  const __m512 id = _mm512_maskz_div_ps(_mm512_cmp_ps_mask(d, _mm512_setzero_ps(), _CMP_NEQ_UQ), _mm512_set1_ps(1.0f), d);
+  const __m512 id =
+      _mm512_maskz_div_ps(_mm512_cmp_ps_mask(d, _mm512_setzero_ps(), _CMP_NEQ_UQ), _mm512_set1_ps(1.0f), d);
   alignas(64) float ids[16];
   _mm512_store_ps(ids, id);
   __m512 h0[16], h1[16];  // the int32 codes of columns 0..15 and 16..31, as float bits for the shuffles
@@ -225,8 +233,11 @@ inline void quantize_16_blocks(const float* x, int8_t* q, int64_t i, const ActQ&
   const __m512i s = _mm512_add_epi32(s0, s1);
   _mm512_storeu_ps(a.d + i, d);
   _mm512_storeu_si512(a.sum32 + i, s);
-  _mm512_storeu_si512(a.sum16 + 2 * i, _mm512_permutex2var_epi32(s0, _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23), s1));
-  _mm512_storeu_si512(a.sum16 + 2 * i + 16, _mm512_permutex2var_epi32(s0, _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31), s1));
+  // sum16 interleaves them: s0 of block 0, s1 of block 0, s0 of block 1, ...
+  const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  const __m512i hi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+  _mm512_storeu_si512(a.sum16 + 2 * i, _mm512_permutex2var_epi32(s0, lo, s1));
+  _mm512_storeu_si512(a.sum16 + 2 * i + 16, _mm512_permutex2var_epi32(s0, hi, s1));
   _mm512_storeu_ps(a.s + i, _mm512_mul_ps(d, _mm512_cvtepi32_ps(s)));
 }
 #endif
@@ -235,7 +246,8 @@ void quantize_act(const float* x, int64_t m0, int64_t m1, const ActQ& a) {
   for (int64_t m = m0; m < m1; ++m) {
     int64_t b0 = 0;
 #if defined(K_AVX512)
-    for (; b0 + 16 <= a.nb; b0 += 16) quantize_16_blocks(x + m * a.cols + b0 * 32, a.q + m * a.cols + b0 * 32, m * a.nb + b0, a);
+    for (; b0 + 16 <= a.nb; b0 += 16)
+      quantize_16_blocks(x + m * a.cols + b0 * 32, a.q + m * a.cols + b0 * 32, m * a.nb + b0, a);
 #endif
     for (int64_t b = b0; b < a.nb; ++b) {
       const float* xb = x + m * a.cols + b * 32;
