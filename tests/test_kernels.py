@@ -225,7 +225,7 @@ def test_quant_matmul_wide_rows(isa, qtype):
     q = cpu.QMatrix(raw, int(qtype), rows, cols)
     for m in (1, 17):
         x = activations(m, cols)
-        x[0, 32 * 17 + 5] = 40.0  # one block far larger than the others
+        x[0, 32 * 3 + 5], x[0, 32 * 17 + 5] = 40.0, -40.0  # a block far larger than the others, in each part
         check_quant_matmul(qtype, raw, rows, cols, x, matmul(q, x))
 
 
