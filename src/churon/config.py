@@ -403,8 +403,8 @@ class SpeculativeConfig:
 
     method: "ngram" (prompt lookup: the tokens that followed an earlier occurrence of the last n tokens, n from
         ngram_max down to ngram_min, in the prompt and the output so far, the one whose context agrees longest, as
-        many as agree, engine/speculative/ngram.py) or "draft" (a smaller model with
-        the same vocabulary, `model`: a path or registry name, run greedily on its own KV cache).
+        many as agree, engine/speculative/ngram.py) or "draft" (a smaller model with the same vocabulary, `model`:
+        a path or registry name, run greedily on its own KV cache).
     adaptive: each request's proposal length follows its recent acceptance rate, down to none where speculation
         does not pay (False: always num_tokens, for tests).
     """
