@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import random
 
 import pytest
@@ -134,3 +135,19 @@ def test_incremental_matches_brute_force(seed):
             expected = reference(seq.token_ids, num_tokens, ngram_min, ngram_max)
             assert proposer.propose(seq, num_tokens) == expected, (seq.token_ids, num_tokens, ngram_min, ngram_max)
         proposer.drop(seq.seq_id)
+
+
+def test_the_index_gives_the_garbage_collector_nothing_to_walk():
+    # a long prompt's index: its keys are tuples of ints (untracked once collected), its chains ints in dicts
+    tokens = random.Random(5).choices(range(50_000), k=5_000)
+    gc.collect()
+    before = len(gc.get_objects())
+    proposer = NgramProposer(2, 4)
+    proposer.propose(Sequence(tokens), 8)
+    gc.collect()
+    assert len(gc.get_objects()) - before < 100
+
+
+def test_ngram_max_is_bounded():
+    with pytest.raises(ValueError, match="ngram_max must be at most 64"):
+        NgramProposer(2, 65)

@@ -19,12 +19,12 @@ is a row of the verification step, which costs a fraction of the step whether ac
 L (and taken from the best-agreeing occurrence), that workload's proposed tokens went from 1,933 to 1,717
 for 1,430 -> 1,425 accepted, its decoding 3.4% less time (docs/BENCHMARKS.md).
 
-Each sequence keeps an index, n-gram -> the ends of its occurrences, for every n in
-[ngram_min, ngram_max]. token_ids only ever grows (rejected proposals are never appended), so each
-call indexes just the tokens added since the last one: O(new tokens * (ngram_max - ngram_min + 1))
-dictionary updates, then one look-up per n at most and CANDIDATES agreements measured by slice
-comparison. The n-grams ending at the last token are indexed one call later, once a later suffix can
-match them.
+Each sequence keeps an index, n-gram -> the end of its latest occurrence and each occurrence -> the
+one before, for every n in [ngram_min, ngram_max]. token_ids only ever grows (rejected proposals are
+never appended), so each call indexes just the tokens added since the last one: O(new tokens *
+(ngram_max - ngram_min + 1)) dictionary updates, then one look-up per n at most and CANDIDATES
+agreements measured by slice comparison. The n-grams ending at the last token are indexed one call
+later, once a later suffix can match them.
 """
 
 from __future__ import annotations
@@ -34,16 +34,19 @@ from churon.engine.sequence import Sequence
 
 CANDIDATES = 8  # the latest occurrences of the matched n-gram whose agreement is measured
 MAX_AGREEMENT = 64  # agreement counted up to this many tokens: past it, the occurrences are alike
+STRIDE = 65  # _Index.earlier's key per end: n <= 64 (SpeculativeConfig's bound on ngram_max)
 
 
 class _Index:
-    """One sequence's n-grams: the tuple of n tokens -> the ends (exclusive) of its occurrences, in order, over
-    the occurrences ending before position num_indexed."""
+    """One sequence's n-grams, over the occurrences ending before position num_indexed: the tuple of n tokens ->
+    the end (exclusive) of its latest occurrence, and for each occurrence the end of the one before it (chains of
+    ints: lists of ends would be ~3 objects a token for the garbage collector to walk, 100,000 for a long prompt)."""
 
-    __slots__ = ("ends", "num_indexed")
+    __slots__ = ("latest", "earlier", "num_indexed")
 
     def __init__(self):
-        self.ends: dict[tuple[int, ...], list[int]] = {}  # tuples of different lengths never collide: one dict
+        self.latest: dict[tuple[int, ...], int] = {}  # tuples of different lengths never collide: one dict
+        self.earlier: dict[int, int] = {}  # e * STRIDE + n -> the end of the n-gram ending at e's occurrence before
         self.num_indexed = 0
 
 
@@ -75,7 +78,9 @@ class NgramProposer:
     """Prompt lookup."""
 
     def __init__(self, ngram_min: int, ngram_max: int):
-        """1 <= ngram_min <= ngram_max (SpeculativeConfig checks them)."""
+        """1 <= ngram_min <= ngram_max <= 64 (SpeculativeConfig checks them; the index's keys rely on the last)."""
+        if ngram_max >= STRIDE:
+            raise ValueError(f"ngram_max must be at most {STRIDE - 1}, got {ngram_max}")
         self.ngram_min = ngram_min
         self.ngram_max = ngram_max
         self._indexes: dict[int, _Index] = {}  # seq_id -> its index
@@ -93,21 +98,28 @@ class NgramProposer:
         index = self._indexes.get(seq.seq_id)
         if index is None:
             index = self._indexes[seq.seq_id] = _Index()
-        ends = index.ends
+        latest, earlier = index.latest, index.earlier
         low, high = self.ngram_min, self.ngram_max
         # occurrences ending at e < end; the one ending at `end` is the suffix itself
         for e in range(max(index.num_indexed, low), end):
             for n in range(low, min(high, e) + 1):
-                ends.setdefault(tuple(tokens[e - n : e]), []).append(e)
+                key = tuple(tokens[e - n : e])
+                before = latest.get(key)
+                if before is not None:
+                    earlier[e * STRIDE + n] = before
+                latest[key] = e
         index.num_indexed = end
         for n in range(min(high, end - 1), low - 1, -1):
-            found = ends.get(tuple(tokens[end - n :]))
-            if found:
-                best, longest = 0, 0
-                for e in reversed(found[-CANDIDATES:]):  # latest first: a later one wins only by agreeing longer
+            e = latest.get(tuple(tokens[end - n :]))
+            if e is not None:
+                best, longest = e, 0
+                for _ in range(CANDIDATES):  # latest first: an earlier one wins only by agreeing longer
                     length = agreement(tokens, e, n)
                     if length > longest:
                         best, longest = e, length
+                    e = earlier.get(e * STRIDE + n)
+                    if e is None:
+                        break
                 # what followed, continued as a loop of period end - best past the sequence's end
                 period = end - best
                 return [tokens[best + i % period] for i in range(min(num_tokens, longest))]
