@@ -46,7 +46,7 @@ class _Index:
 
     def __init__(self):
         self.latest: dict[tuple[int, ...], int] = {}  # tuples of different lengths never collide: one dict
-        self.earlier: dict[int, int] = {}  # e * STRIDE + n -> the end of the n-gram ending at e's occurrence before
+        self.earlier: dict[int, int] = {}  # e * STRIDE + n -> where the n tokens ending at e occurred before
         self.num_indexed = 0
 
 
