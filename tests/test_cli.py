@@ -54,6 +54,20 @@ def test_run_seed_reproduces_and_verbose_reports_speed(tiny_llama_q8):
         assert field in a.stderr
 
 
+def test_run_takes_the_prompt_after_options_too(tiny_llama_q8):
+    # the README's order, `churon run MODEL --options "PROMPT"`, and options on both sides of it
+    first = churon("run", tiny_llama_q8, "--raw", "--temperature", "0", "--max-tokens", "6", "The quick brown fox")
+    assert first.returncode == 0, first.stderr
+    llm = LLM(tiny_llama_q8, threads=1)
+    assert first.stdout == llm.generate(["The quick brown fox"], SamplingParams(temperature=0, max_tokens=6))[0].text + "\n"
+    both = churon("run", "--raw", tiny_llama_q8, "--temperature", "0", "The quick brown fox", "--max-tokens", "6")
+    assert both.returncode == 0 and both.stdout == first.stdout, both.stderr
+    unknown = churon("run", tiny_llama_q8, "--raw", "The quick brown fox", "--no-such-option")
+    assert unknown.returncode == 2 and "unrecognized arguments: --no-such-option" in unknown.stderr
+    extra = churon("list", "leftover")  # a command without free words
+    assert extra.returncode == 2 and "unrecognized arguments: leftover" in extra.stderr
+
+
 def test_run_without_a_prompt_is_an_error(tiny_llama_q8):
     result = churon("run", tiny_llama_q8)
     assert result.returncode == 1 and "no prompt" in result.stderr

@@ -1219,8 +1219,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# the subcommands whose free words (nargs="*") may come after options too, and the attribute that holds them
+FREE_WORDS = {"run": "args", "embed": "texts"}
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line's namespace. argparse gives a nargs="*" positional only the words before the first option
+    that follows them, so `churon run MODEL --verbose "PROMPT"` (the README's order) would leave PROMPT
+    unrecognized: a run's or an embed's later free words join the earlier ones, in order. An unknown option is still
+    an error."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        free = FREE_WORDS.get(args.command)
+        unknown = [word for word in extra if word.startswith("-")] if free is not None else extra
+        if unknown:
+            parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+        setattr(args, free, list(getattr(args, free)) + extra)
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse(argv)
     try:
         return args.func(args)
     except (ChuronError, ValueError) as e:
