@@ -40,6 +40,7 @@ how much the workload leaves for it. Targets (issue 18): churon-ngram on grounde
 churon-none, every churon speculative row on chat >= 0.95x, churon's best speculative row on grounded faster
 than llama.cpp's best. Beside the first, the same ratio of decoding alone (wall time less the prompts' processing,
 which speculation leaves as it is).
+benchmarks/replay_speculative.py judges prompt lookup's settings on these workloads without the timing noise.
 
     python benchmarks/bench_speculative.py --threads 2 [--json out.json]
     python benchmarks/bench_speculative.py --prompts 2 --max-tokens 48 --repeats 1 --rows churon-none,churon-ngram   # quick
