@@ -157,9 +157,9 @@ def measure_step_costs(llm: LLM, prompt: list[int], context: int, max_rows: int,
     """Seconds of ModelRunner.execute on 1 .. max_rows rows of one sequence after `context` tokens (index m - 1)."""
     engine = llm.engine
     tokens = (prompt * (1 + context // max(1, len(prompt))))[:context]
-    engine.add_request(tokens, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    request_id = engine.add_request(tokens, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
     engine.step()  # the prefill
-    seq = engine.scheduler.running[0]
+    seq = engine.requests[request_id].seq
     if not engine.scheduler.block_manager.allocate(seq, max_rows):
         raise RuntimeError("no KV blocks for the measurement's proposed rows")
     steps = [ScheduledSeq(seq, 1, tokens[100 : 100 + m - 1]) for m in range(1, max_rows + 1)]
@@ -169,7 +169,7 @@ def measure_step_costs(llm: LLM, prompt: list[int], context: int, max_rows: int,
             t0 = time.perf_counter()
             engine.runner.execute([step], [False], True)
             t.append(time.perf_counter() - t0)
-    engine.abort(seq.seq_id)
+    engine.abort(request_id)
     return [statistics.median(t) for t in times]
 
 
