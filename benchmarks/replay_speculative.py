@@ -158,11 +158,13 @@ def measure_step_costs(llm: LLM, prompt: list[int], context: int, max_rows: int,
     engine = llm.engine
     tokens = (prompt * (1 + context // max(1, len(prompt))))[:context]
     request_id = engine.add_request(tokens, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
-    engine.step()  # the prefill
     seq = engine.requests[request_id].seq
+    while seq.num_uncomputed_tokens != 1:  # the prefill, in chunks where the token budget asks
+        engine.step()
     if not engine.scheduler.block_manager.allocate(seq, max_rows):
         raise RuntimeError("no KV blocks for the measurement's proposed rows")
-    steps = [ScheduledSeq(seq, 1, tokens[100 : 100 + m - 1]) for m in range(1, max_rows + 1)]
+    # proposed tokens: any will do (a row costs the same whatever it holds)
+    steps = [ScheduledSeq(seq, 1, [tokens[j % context] for j in range(m - 1)]) for m in range(1, max_rows + 1)]
     times: list[list[float]] = [[] for _ in steps]
     for _ in range(reps):  # every row count once a round: the machine's drift reaches them all alike
         for step, t in zip(steps, times):
