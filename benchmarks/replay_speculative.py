@@ -37,6 +37,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench_lora import first_equal
+from bench_speculative import build_workload
+
 from churon import LLM, SamplingParams
 from churon.config import SpeculativeConfig
 from churon.engine.scheduler import ScheduledSeq
@@ -77,15 +80,6 @@ def longest_continuation(context: list[int], future: list[int], n: int, limit: i
             length += 1
         best = max(best, length)
     return best
-
-
-def accepted_prefix(draft: list[int], future: list[int]) -> int:
-    """How many proposed tokens greedy verification keeps: those equal to the output's next ones, up to the first
-    that is not."""
-    n = 0
-    while n < len(draft) and n < len(future) and draft[n] == future[n]:
-        n += 1
-    return n
 
 
 class Oracle:
@@ -132,7 +126,7 @@ def replay(prompts, outputs, max_tokens: int, cost, proposer, oracle_n: int = -1
         while i < len(out):
             context = prompt + out[:i]
             draft = proposer.propose(seq_id, context, max_tokens - i - 1) if proposer else []
-            a = accepted_prefix(draft, out[i:])
+            a = first_equal(draft, out[i:])  # greedy verification keeps the proposals the output repeats
             if draft:
                 proposer.verified(seq_id, len(draft), a)
             if oracle_n >= 0:
@@ -230,21 +224,22 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
 
-    from bench_speculative import build_workload  # its peers' helpers are not needed to replay
-
     if args.prefill_s is not None and "," in args.workloads:
         parser.error("--prefill-s is one workload's: give one in --workloads")
-    configs = [parse_config(c) for c in args.configs]
+    try:
+        configs = [parse_config(c) for c in args.configs]
+        step_given = [float(ms) / 1e3 for ms in args.step_ms.split(",")] if args.step_ms else None
+    except (TypeError, ValueError) as e:  # a field SpeculativeConfig lacks or refuses, a value that is no number
+        parser.error(str(e))
     k_max = max(c.num_tokens for _, c in configs)
+    if step_given and len(step_given) < k_max + 1:
+        parser.error(f"--step-ms needs a time for each of 1 .. {k_max + 1} rows")
     workload = build_workload(args.model)
     llm = LLM(args.model, threads=args.threads, enable_prefix_caching=False)
     first = workload["grounded"]["prompts"][0]
     llm.generate([first[::-1]], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)  # warm-up
-    if args.step_ms:
-        step = [float(ms) / 1e3 for ms in args.step_ms.split(",")]
-        if len(step) < k_max + 1:
-            parser.error(f"--step-ms needs a time for each of 1 .. {k_max + 1} rows")
-        source = "given"
+    if step_given:
+        step, source = step_given, "given"
     else:
         execute = measure_step_costs(llm, first, args.context, k_max + 1, args.reps)
         overhead = engine_overhead(llm, first, 64)
@@ -253,6 +248,9 @@ def main() -> None:
     print(f"step times, {args.threads} threads ({source}): "
           + ", ".join(f"{m} rows {1e3 * t:.2f} ms" for m, t in enumerate(step[: k_max + 1], 1)))
 
+    def cost(m: int) -> float:
+        return step[m - 1]
+
     report: dict = {"step_seconds": step, "workloads": {}}
     for name in args.workloads.split(","):
         prompts = workload[name]["prompts"]
@@ -260,9 +258,6 @@ def main() -> None:
                 for p in prompts]
         outputs = [o.token_ids for o in outs]
         prefill = args.prefill_s if args.prefill_s is not None else sum(o.metrics.prefill_seconds for o in outs)
-
-        def cost(m: int) -> float:
-            return step[m - 1]
 
         none = replay(prompts, outputs, args.max_tokens, cost, None)
         rows = [("churon-none", none)]

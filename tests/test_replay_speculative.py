@@ -24,12 +24,14 @@ MAX_TOKENS = 40
 
 @pytest.fixture(scope="module")
 def replay_module():
+    sys.path.insert(0, str(SCRIPT.parent))  # it imports its sibling benchmarks, as when run
     spec = importlib.util.spec_from_file_location("replay_speculative", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclass looks its module up
     spec.loader.exec_module(module)
     yield module
     del sys.modules[spec.name]
+    sys.path.remove(str(SCRIPT.parent))
 
 
 @pytest.fixture(scope="module")
