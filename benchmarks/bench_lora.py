@@ -42,7 +42,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from bench_batching import FALLBACK_TEXT, TEXT_DIR, TEXT_FILES, cpu_seconds, cpu_share, peak_rss_mib
+from bench_batching import FALLBACK_TEXT, TEXT_DIR, TEXT_FILES, cpu_seconds, cpu_share, first_equal, peak_rss_mib
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ADAPTERS = 4
@@ -260,16 +260,6 @@ def run_row(row: str, args, workload: dict) -> dict:
 
 
 # ---------------------------------------------------------------- the parent: every row in its own process
-
-def first_equal(a: list[int], b: list[int]) -> int:
-    """How many leading tokens two outputs share."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
 
 def median_run(runs: list[dict]) -> dict:
     """The run of median throughput (the lower middle one of an even count), with every run's rate; a row

@@ -69,9 +69,9 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from bench_batching import cpu_seconds, cpu_share
-from bench_lora import (add_row_process_args, first_equal, free_port, process_cpu_seconds,
-                        settle_model_or_run_row, wait_ready)
+from bench_batching import cpu_seconds, cpu_share, first_equal
+from bench_lora import (add_row_process_args, free_port, process_cpu_seconds, settle_model_or_run_row,
+                        wait_ready)
 
 REPO = Path(__file__).resolve().parents[1]
 WORKLOAD_COMMIT = "4f5c0bc98079787b9149f78058167b81f1337ef4"  # the inputs' text: fixed, so every run sees the same

@@ -37,7 +37,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench_lora import first_equal
+from bench_batching import first_equal
 from bench_speculative import build_workload
 
 from churon import LLM, SamplingParams
